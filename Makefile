@@ -1,0 +1,41 @@
+# The two commands of a fresh machine: `make demo` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_INCLUDE ?= $(firstword $(wildcard $(CUDA_HOME)/include /usr/local/cuda/include))
+BUILD := build/make
+SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.py') setup.py pyproject.toml
+
+.PHONY: install demo test cuda-check
+
+# torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch.
+$(BUILD)/installed: $(SOURCES)
+	@mkdir -p $(BUILD)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install ninja numpy pytest pytest-timeout
+	$(PIP) install --no-build-isolation -e .
+	@touch $@
+
+install: $(BUILD)/installed
+
+demo: install
+	$(PYTHON) benchmarks/bench_optimizer.py
+
+test: install cuda-check
+	$(PYTHON) -m pytest -q
+
+# CUDA code must compile where it cannot run: every .cu with nvcc for sm_80 and sm_90, and the
+# *_cuda.cpp glue against torch's headers (a CPU wheel lacks one generated header: stub it).
+cuda-check: install
+ifneq ($(NVCC),)
+	@mkdir -p $(BUILD)/cuda/c10/cuda/impl && touch $(BUILD)/cuda/c10/cuda/impl/cuda_cmake_macros.h
+	@for f in $$(find csrc -name '*.cu'); do echo "nvcc -c $$f"; \
+	  $(NVCC) -std=c++17 -c -Icsrc -gencode arch=compute_80,code=sm_80 \
+	    -gencode arch=compute_90,code=sm_90 -o $(BUILD)/cuda/$$(basename $$f).o $$f || exit 1; done
+	@for f in $$(find csrc -name '*_cuda.cpp'); do echo "g++ -fsyntax-only $$f"; \
+	  $(CXX) -std=c++20 -fsyntax-only -Icsrc -I$(BUILD)/cuda -I$(CUDA_INCLUDE) \
+	    $$($(PYTHON) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))") \
+	    $$f || exit 1; done
+else
+	@echo "nvcc not found: CUDA sources not compiled"
+endif

@@ -1,0 +1,21 @@
+// Every op schema of torch_bigbatch in one place; the kernels register per device next to
+// their code (TORCH_LIBRARY_IMPL). Python calls them as torch.ops.torch_bigbatch.<op>.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(torch_bigbatch, m) {
+  // One fused SGD/LARS step over tensors of one device and dtype that may come from several
+  // parameter groups: group_of_tensor[i] picks the entry of each per-group list for tensor i.
+  // momentum_buffers is empty for groups without momentum; first_step initialises them as
+  // torch.optim.SGD does (b = d). grad_scale and found_inf come from torch.amp.GradScaler.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "int[] group_of_tensor, float[] lr, Tensor?[] lr_tensor, float[] momentum, "
+      "float[] momentum_scale, float[] dampening, float[] weight_decay, bool[] nesterov, "
+      "bool[] maximize, float[] trust_coefficient, float[] trust_eps, bool[] trust_clip, "
+      "Tensor? grad_scale, Tensor? found_inf, bool first_step) -> ()");
+}
+
+// Importing torch_bigbatch._C runs the registrations above; the module itself is empty.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

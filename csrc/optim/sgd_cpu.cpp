@@ -1,0 +1,145 @@
+// CPU kernel of torch_bigbatch::sgd_step_: one parallel loop over the chunks of every tensor,
+// each chunk updated with ATen's SIMD vectors (float math for every storage type).
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "sgd_op.h"
+
+namespace torch_bigbatch::optim {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kChunk = 16384;  // elements per work item of the parallel loop
+
+// Up to 2 * Vec::size() elements of any storage type as two float vectors, and back.
+void load_floats(const float* src, int64_t count, Vec& lo, Vec& hi) {
+  lo = Vec::loadu(src, std::min<int64_t>(count, Vec::size()));
+  hi = count > Vec::size() ? Vec::loadu(src + Vec::size(), count - Vec::size()) : Vec(0.f);
+}
+void store_floats(float* dst, int64_t count, const Vec& lo, const Vec& hi) {
+  lo.store(dst, std::min<int64_t>(count, Vec::size()));
+  if (count > Vec::size()) hi.store(dst + Vec::size(), count - Vec::size());
+}
+template <typename T>
+void load_floats(const T* src, int64_t count, Vec& lo, Vec& hi) {
+  std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src, count));
+}
+template <typename T>
+void store_floats(T* dst, int64_t count, const Vec& lo, const Vec& hi) {
+  at::vec::convert_from_float<T>(lo, hi).store(dst, count);
+}
+
+SgdScalars<Vec> broadcast(const SgdScalars<float>& s) {
+  return {Vec(s.grad_factor), Vec(s.weight_decay), Vec(s.trust),   Vec(s.buffer_decay),
+          Vec(s.grad_weight), Vec(s.momentum),     Vec(s.lr)};
+}
+
+template <typename T>
+void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScalars<float>& scalars,
+                  BufferMode mode, bool nesterov) {
+  constexpr int64_t kStep = 2 * Vec::size();
+  const SgdScalars<Vec> s = broadcast(scalars);
+  T* param = static_cast<T*>(t.param);
+  const T* grad = static_cast<const T*>(t.grad);
+  T* buffer = static_cast<T*>(t.buffer);
+  for (int64_t i = begin; i < end; i += kStep) {
+    const int64_t count = std::min(kStep, end - i);
+    Vec p[2], g[2], b[2] = {Vec(0.f), Vec(0.f)};
+    load_floats(param + i, count, p[0], p[1]);
+    load_floats(grad + i, count, g[0], g[1]);
+    if (mode == BufferMode::Update) load_floats(buffer + i, count, b[0], b[1]);
+    for (int k = 0; k < 2; ++k) p[k] = sgd_update(p[k], g[k], b[k], s, mode, nesterov);
+    store_floats(param + i, count, p[0], p[1]);
+    if (mode != BufferMode::None) store_floats(buffer + i, count, b[0], b[1]);
+  }
+}
+
+// Sums of squares of the parameter and of the (still scaled) gradient over [begin, end).
+template <typename T>
+std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t end) {
+  constexpr int64_t kStep = 2 * Vec::size();
+  Vec pp(0.f), gg(0.f);
+  for (int64_t i = begin; i < end; i += kStep) {
+    const int64_t count = std::min(kStep, end - i);
+    Vec p[2], g[2];
+    load_floats(static_cast<const T*>(t.param) + i, count, p[0], p[1]);
+    load_floats(static_cast<const T*>(t.grad) + i, count, g[0], g[1]);
+    for (int k = 0; k < 2; ++k) {
+      pp = at::vec::fmadd(p[k], p[k], pp);
+      gg = at::vec::fmadd(g[k], g[k], gg);
+    }
+  }
+  return {at::vec::vec_reduce_all<float>(std::plus<Vec>(), pp),
+          at::vec::vec_reduce_all<float>(std::plus<Vec>(), gg)};
+}
+
+// Calls body(tensor index, chunk begin, chunk end) for every chunk, in parallel.
+template <typename Body>
+void for_each_chunk(const SgdStep& step, const std::vector<int64_t>& offsets, const Body& body) {
+  const int n = static_cast<int>(step.tensors.size());
+  at::parallel_for(0, offsets.back(), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int t = tensor_of_chunk(offsets.data(), n, c);
+      const int64_t begin = (c - offsets[t]) * kChunk;
+      body(t, c, begin, std::min(begin + kChunk, step.tensors[t].numel));
+    }
+  });
+}
+
+template <typename T>
+void run_sgd_cpu_typed(const SgdStep& step) {
+  if (step.found_inf != nullptr && *step.found_inf != 0.f) return;
+  const float inv_grad_scale = step.grad_scale != nullptr ? 1.f / *step.grad_scale : 1.f;
+  const size_t n = step.tensors.size();
+  std::vector<int64_t> numels;
+  for (const SgdTensor& t : step.tensors) numels.push_back(t.numel);
+  const std::vector<int64_t> offsets = chunk_offsets(numels, kChunk);
+
+  std::vector<float> trust(n, 1.f);
+  if (step.uses_lars()) {
+    // Per-chunk partial sums, then a fixed-order sum per tensor: deterministic norms.
+    std::vector<std::pair<float, float>> partial(offsets.back());
+    for_each_chunk(step, offsets, [&](int t, int64_t c, int64_t begin, int64_t end) {
+      if (step.groups[step.tensors[t].group].trust_coefficient != 0.f)
+        partial[c] = sum_squares<T>(step.tensors[t], begin, end);
+    });
+    for (size_t t = 0; t < n; ++t) {
+      double pp = 0, gg = 0;
+      for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) {
+        pp += partial[c].first;
+        gg += partial[c].second;
+      }
+      trust[t] = lars_trust_ratio(static_cast<float>(std::sqrt(pp)),
+                                  static_cast<float>(std::sqrt(gg)) * std::fabs(inv_grad_scale),
+                                  step.groups[step.tensors[t].group]);
+    }
+  }
+
+  for_each_chunk(step, offsets, [&](int t, int64_t, int64_t begin, int64_t end) {
+    const SgdGroup& group = step.groups[step.tensors[t].group];
+    const float lr = group.lr_ptr != nullptr ? *group.lr_ptr : group.lr;
+    update_range<T>(step.tensors[t], begin, end, sgd_scalars(group, lr, inv_grad_scale, trust[t]),
+                    step.buffer_mode, group.nesterov);
+  });
+}
+
+void run_sgd_cpu(const SgdStep& step, at::TensorList) {
+  switch (step.dtype) {
+    case ElementType::Float32: return run_sgd_cpu_typed<float>(step);
+    case ElementType::Float16: return run_sgd_cpu_typed<at::Half>(step);
+    case ElementType::BFloat16: return run_sgd_cpu_typed<at::BFloat16>(step);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) {
+  m.impl("sgd_step_", &sgd_step_kernel<run_sgd_cpu>);
+}
+
+}  // namespace torch_bigbatch::optim

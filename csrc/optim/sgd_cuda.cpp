@@ -1,0 +1,29 @@
+// ATen glue of the CUDA kernels: device guard, current stream, scratch from torch's allocator.
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "sgd_cuda.h"
+#include "sgd_op.h"
+
+namespace torch_bigbatch::optim {
+namespace {
+
+void run_sgd_cuda(const SgdStep& step, at::TensorList params) {
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const int64_t scratch_floats = sgd_cuda_scratch_floats(step);
+  const at::Tensor scratch =
+      at::empty({scratch_floats}, params[0].options().dtype(at::kFloat));
+  C10_CUDA_CHECK(launch_sgd_cuda(step, scratch.data_ptr<float>(),
+                                 c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) {
+  m.impl("sgd_step_", &sgd_step_kernel<run_sgd_cuda>);
+}
+
+}  // namespace torch_bigbatch::optim

@@ -1,0 +1,251 @@
+// CUDA kernels of the fused SGD/LARS step. The tensor table travels as a kernel parameter
+// (CUDA 12.1+ allows 32 KB on sm_70+), so all of ResNet-50's 161 tensors go in one launch with
+// no host-to-device copy, and a CUDA graph captures the step as it is. Blocks stride over the
+// chunks of all tensors; a binary search over the chunk offsets finds each chunk's tensor.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "sgd_cuda.h"
+
+namespace torch_bigbatch::optim {
+namespace {
+
+constexpr int kMaxTensors = 320;  // per launch
+constexpr int kMaxGroups = 16;    // per launch
+constexpr int64_t kChunk = 16384; // elements per block iteration unit
+constexpr int kThreads = 256;
+constexpr int kBlocksPerMultiprocessor = 8;
+constexpr int kPack = 4;          // elements per vector access
+
+struct LaunchArgs {
+  void* param[kMaxTensors];
+  const void* grad[kMaxTensors];
+  void* buffer[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int64_t chunk_offset[kMaxTensors + 1];
+  uint8_t group[kMaxTensors];
+  bool packed[kMaxTensors];  // all three pointers aligned for kPack-wide accesses
+  int n_tensors;
+  SgdGroup groups[kMaxGroups];
+  const float* grad_scale;
+  const float* found_inf;
+  float* norm_partials;  // two per chunk (sum p^2, sum g^2) when the launch has LARS groups
+  BufferMode mode;
+};
+static_assert(sizeof(LaunchArgs) <= 32764, "kernel parameters are limited to 32764 bytes");
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename T>
+struct alignas(kPack * sizeof(T)) Pack {
+  T v[kPack];
+};
+
+// Sum over the block; every thread gets the result. `shared` holds one float per warp.
+__device__ float block_sum(float x, float* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read from the previous call
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < blockDim.x / 32 ? shared[lane] : 0.f;
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+struct Chunk {
+  int tensor;
+  int64_t begin, end;
+};
+__device__ __forceinline__ Chunk chunk_at(const LaunchArgs& args, int64_t c) {
+  const int t = tensor_of_chunk(args.chunk_offset, args.n_tensors, c);
+  const int64_t begin = (c - args.chunk_offset[t]) * kChunk;
+  return {t, begin, min(begin + kChunk, args.numel[t])};
+}
+
+__device__ __forceinline__ bool skip_step(const LaunchArgs& args) {
+  return args.found_inf != nullptr && *args.found_inf != 0.f;
+}
+
+// LARS, first launch: per-chunk sums of squares of p and of the still-scaled g.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    chunk_sum_squares_kernel(const __grid_constant__ LaunchArgs args) {
+  __shared__ float shared[kThreads / 32];
+  if (skip_step(args)) return;
+  for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
+    const Chunk chunk = chunk_at(args, c);
+    if (args.groups[args.group[chunk.tensor]].trust_coefficient == 0.f) continue;
+    const T* param = static_cast<const T*>(args.param[chunk.tensor]);
+    const T* grad = static_cast<const T*>(args.grad[chunk.tensor]);
+    float pp = 0.f, gg = 0.f;
+    for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += blockDim.x) {
+      const float p = to_float(param[i]), g = to_float(grad[i]);
+      pp += p * p;
+      gg += g * g;
+    }
+    pp = block_sum(pp, shared);
+    gg = block_sum(gg, shared);
+    if (threadIdx.x == 0) {
+      args.norm_partials[2 * c] = pp;
+      args.norm_partials[2 * c + 1] = gg;
+    }
+  }
+}
+
+// LARS trust ratio of tensor t from the partials of all its chunks (fixed order: deterministic).
+__device__ float trust_ratio(const LaunchArgs& args, int t, float inv_grad_scale, float* shared) {
+  float pp = 0.f, gg = 0.f;
+  for (int64_t c = args.chunk_offset[t] + threadIdx.x; c < args.chunk_offset[t + 1];
+       c += blockDim.x) {
+    pp += args.norm_partials[2 * c];
+    gg += args.norm_partials[2 * c + 1];
+  }
+  pp = block_sum(pp, shared);
+  gg = block_sum(gg, shared);
+  return lars_trust_ratio(sqrtf(pp), sqrtf(gg) * fabsf(inv_grad_scale), args.groups[args.group[t]]);
+}
+
+template <typename T>
+__device__ __forceinline__ void update_element(T* __restrict__ param, const T* __restrict__ grad,
+                                               T* __restrict__ buffer, int64_t i,
+                                               const SgdScalars<float>& s, BufferMode mode,
+                                               bool nesterov) {
+  float b = mode == BufferMode::Update ? to_float(buffer[i]) : 0.f;
+  param[i] = from_float<T>(sgd_update(to_float(param[i]), to_float(grad[i]), b, s, mode, nesterov));
+  if (mode != BufferMode::None) buffer[i] = from_float<T>(b);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sgd_kernel(const __grid_constant__ LaunchArgs args) {
+  __shared__ float shared[kThreads / 32];
+  if (skip_step(args)) return;
+  const float inv_grad_scale = args.grad_scale != nullptr ? 1.f / *args.grad_scale : 1.f;
+  const BufferMode mode = args.mode;
+  for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
+    const Chunk chunk = chunk_at(args, c);
+    const SgdGroup& group = args.groups[args.group[chunk.tensor]];
+    const float lr = group.lr_ptr != nullptr ? *group.lr_ptr : group.lr;
+    const float trust = group.trust_coefficient != 0.f
+                            ? trust_ratio(args, chunk.tensor, inv_grad_scale, shared)
+                            : 1.f;
+    const SgdScalars<float> s = sgd_scalars(group, lr, inv_grad_scale, trust);
+    T* __restrict__ param = static_cast<T*>(args.param[chunk.tensor]);
+    const T* __restrict__ grad = static_cast<const T*>(args.grad[chunk.tensor]);
+    T* __restrict__ buffer = static_cast<T*>(args.buffer[chunk.tensor]);
+
+    int64_t tail = chunk.begin;
+    if (args.packed[chunk.tensor]) {
+      // chunk.begin is a multiple of kChunk, so every pack below is aligned.
+      const int64_t packs = (chunk.end - chunk.begin) / kPack;
+      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+        const int64_t i = chunk.begin + k * kPack;
+        Pack<T> p = *reinterpret_cast<const Pack<T>*>(param + i);
+        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(grad + i);
+        Pack<T> b;
+        if (mode == BufferMode::Update) b = *reinterpret_cast<const Pack<T>*>(buffer + i);
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          float bj = mode == BufferMode::Update ? to_float(b.v[j]) : 0.f;
+          p.v[j] = from_float<T>(sgd_update(to_float(p.v[j]), to_float(g.v[j]), bj, s, mode,
+                                            group.nesterov));
+          b.v[j] = from_float<T>(bj);
+        }
+        *reinterpret_cast<Pack<T>*>(param + i) = p;
+        if (mode != BufferMode::None) *reinterpret_cast<Pack<T>*>(buffer + i) = b;
+      }
+      tail = chunk.begin + packs * kPack;
+    }
+    for (int64_t i = tail + threadIdx.x; i < chunk.end; i += blockDim.x)
+      update_element(param, grad, buffer, i, s, mode, group.nesterov);
+  }
+}
+
+bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename T>
+cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessors,
+                         cudaStream_t stream) {
+  const bool lars = step.uses_lars();
+  size_t next = 0;
+  while (next < step.tensors.size()) {
+    // Fill one launch's table with as many tensors (and their groups) as it holds.
+    LaunchArgs args{};
+    std::vector<int> slot_of_group(step.groups.size(), -1);
+    int n_groups = 0;
+    for (; next < step.tensors.size() && args.n_tensors < kMaxTensors; ++next) {
+      const SgdTensor& tensor = step.tensors[next];
+      int& slot = slot_of_group[tensor.group];
+      if (slot < 0) {
+        if (n_groups == kMaxGroups) break;
+        slot = n_groups++;
+        args.groups[slot] = step.groups[tensor.group];
+      }
+      const int t = args.n_tensors++;
+      args.param[t] = tensor.param;
+      args.grad[t] = tensor.grad;
+      args.buffer[t] = tensor.buffer;
+      args.numel[t] = tensor.numel;
+      args.chunk_offset[t + 1] = args.chunk_offset[t] + (tensor.numel + kChunk - 1) / kChunk;
+      args.group[t] = static_cast<uint8_t>(slot);
+      const size_t bytes = kPack * sizeof(T);
+      args.packed[t] = is_aligned(tensor.param, bytes) && is_aligned(tensor.grad, bytes) &&
+                       (tensor.buffer == nullptr || is_aligned(tensor.buffer, bytes));
+    }
+    args.grad_scale = step.grad_scale;
+    args.found_inf = step.found_inf;
+    args.mode = step.buffer_mode;
+    args.norm_partials = lars ? scratch : nullptr;
+    const int64_t chunks = args.chunk_offset[args.n_tensors];
+    if (chunks == 0) continue;
+    const int blocks = static_cast<int>(
+        std::min<int64_t>(chunks, int64_t{multiprocessors} * kBlocksPerMultiprocessor));
+    if (lars) chunk_sum_squares_kernel<T><<<blocks, kThreads, 0, stream>>>(args);
+    sgd_kernel<T><<<blocks, kThreads, 0, stream>>>(args);
+    if (lars) scratch += 2 * chunks;
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+int64_t sgd_cuda_scratch_floats(const SgdStep& step) {
+  if (!step.uses_lars()) return 0;
+  int64_t chunks = 0;
+  for (const SgdTensor& t : step.tensors) chunks += (t.numel + kChunk - 1) / kChunk;
+  return 2 * chunks;
+}
+
+cudaError_t launch_sgd_cuda(const SgdStep& step, float* scratch, cudaStream_t stream) {
+  int device = 0, multiprocessors = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess)
+    error = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  if (error != cudaSuccess) return error;
+  switch (step.dtype) {
+    case ElementType::Float32: return launch_typed<float>(step, scratch, multiprocessors, stream);
+    case ElementType::Float16: return launch_typed<__half>(step, scratch, multiprocessors, stream);
+    case ElementType::BFloat16:
+      return launch_typed<__nv_bfloat16>(step, scratch, multiprocessors, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace torch_bigbatch::optim

@@ -1,0 +1,112 @@
+#include "sgd_op.h"
+
+namespace torch_bigbatch::optim {
+namespace {
+
+ElementType element_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ElementType::Float32;
+    case at::kHalf: return ElementType::Float16;
+    case at::kBFloat16: return ElementType::BFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "torch_bigbatch::sgd_step_: parameters must be float32, float16 or ",
+                       "bfloat16, got ", t.scalar_type());
+  }
+}
+
+// A one-element float32 tensor on `device`, as a pointer the kernel reads, or null.
+const float* scalar_pointer(const std::optional<at::Tensor>& t, const at::Device& device,
+                            const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat && t->device() == device,
+              "torch_bigbatch::sgd_step_: ", name, " must be a one-element float32 tensor on ",
+              device, ", got ", t->scalar_type(), " of ", t->numel(), " elements on ", t->device());
+  return t->data_ptr<float>();
+}
+
+// The gradient and the buffer must share the parameter's dense memory layout, since the
+// kernels walk all three as flat arrays.
+void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* name, size_t i) {
+  TORCH_CHECK(t.layout() == at::kStrided, "torch_bigbatch::sgd_step_: ", name, "[", i,
+              "] is ", t.layout(), "; sparse gradients are not supported");
+  TORCH_CHECK(t.scalar_type() == param.scalar_type() && t.device() == param.device() &&
+                  t.sizes() == param.sizes() && t.strides() == param.strides(),
+              "torch_bigbatch::sgd_step_: ", name, "[", i, "] (", t.scalar_type(), " ", t.sizes(),
+              " strides ", t.strides(), " on ", t.device(), ") does not match params[", i, "] (",
+              param.scalar_type(), " ", param.sizes(), " strides ", param.strides(), " on ",
+              param.device(), ")");
+}
+
+}  // namespace
+
+SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                      at::IntArrayRef group_of_tensor, at::ArrayRef<double> lr,
+                      const c10::List<std::optional<at::Tensor>>& lr_tensor,
+                      at::ArrayRef<double> momentum, at::ArrayRef<double> momentum_scale,
+                      at::ArrayRef<double> dampening, at::ArrayRef<double> weight_decay,
+                      const c10::List<bool>& nesterov, const c10::List<bool>& maximize,
+                      at::ArrayRef<double> trust_coefficient, at::ArrayRef<double> trust_eps,
+                      const c10::List<bool>& trust_clip, const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf, bool first_step) {
+  const size_t n = params.size();
+  const bool has_buffers = !momentum_buffers.empty();
+  TORCH_CHECK(grads.size() == n && group_of_tensor.size() == n &&
+                  (!has_buffers || momentum_buffers.size() == n),
+              "torch_bigbatch::sgd_step_: params, grads, group_of_tensor and momentum_buffers ",
+              "(unless empty) must have the same length, got ", n, ", ", grads.size(), ", ",
+              group_of_tensor.size(), " and ", momentum_buffers.size());
+  TORCH_CHECK(has_buffers || !first_step,
+              "torch_bigbatch::sgd_step_: first_step needs momentum_buffers");
+  const size_t n_groups = lr.size();
+  for (size_t size : {lr_tensor.size(), momentum.size(), momentum_scale.size(), dampening.size(),
+                      weight_decay.size(), nesterov.size(), maximize.size(),
+                      trust_coefficient.size(), trust_eps.size(), trust_clip.size()})
+    TORCH_CHECK(size == n_groups, "torch_bigbatch::sgd_step_: every per-group list must have ",
+                n_groups, " entries (one per group), got one with ", size);
+
+  const at::Device device = params[0].device();
+  SgdStep step;
+  step.dtype = element_type(params[0]);
+  step.buffer_mode = !has_buffers ? BufferMode::None
+                     : first_step ? BufferMode::First
+                                  : BufferMode::Update;
+  step.grad_scale = scalar_pointer(grad_scale, device, "grad_scale");
+  step.found_inf = scalar_pointer(found_inf, device, "found_inf");
+
+  for (size_t g = 0; g < n_groups; ++g) {
+    SgdGroup group;
+    group.lr = static_cast<float>(lr[g]);
+    group.lr_ptr = scalar_pointer(lr_tensor.get(g), device, "lr_tensor");
+    group.momentum = static_cast<float>(momentum[g]);
+    group.momentum_scale = static_cast<float>(momentum_scale[g]);
+    group.dampening = static_cast<float>(dampening[g]);
+    group.weight_decay = static_cast<float>(weight_decay[g]);
+    group.nesterov = nesterov.get(g);
+    group.maximize = maximize.get(g);
+    group.trust_coefficient = static_cast<float>(trust_coefficient[g]);
+    group.trust_eps = static_cast<float>(trust_eps[g]);
+    group.trust_clip = trust_clip.get(g);
+    step.groups.push_back(group);
+  }
+
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.device() == device && p.scalar_type() == params[0].scalar_type(),
+                "torch_bigbatch::sgd_step_: all params must share one device and dtype; params[0] ",
+                "is ", params[0].scalar_type(), " on ", device, ", params[", i, "] is ",
+                p.scalar_type(), " on ", p.device());
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), "torch_bigbatch::sgd_step_: params[", i,
+                "] must be dense (strides ", p.strides(), " for sizes ", p.sizes(), ")");
+    check_like_param(grads[i], p, "grads", i);
+    if (has_buffers) check_like_param(momentum_buffers[i], p, "momentum_buffers", i);
+    TORCH_CHECK(group_of_tensor[i] >= 0 && static_cast<size_t>(group_of_tensor[i]) < n_groups,
+                "torch_bigbatch::sgd_step_: group_of_tensor[", i, "] = ", group_of_tensor[i],
+                " is not a group index below ", n_groups);
+    step.tensors.push_back({p.data_ptr(), grads[i].data_ptr(),
+                            has_buffers ? momentum_buffers[i].data_ptr() : nullptr, p.numel(),
+                            static_cast<int>(group_of_tensor[i])});
+  }
+  return step;
+}
+
+}  // namespace torch_bigbatch::optim

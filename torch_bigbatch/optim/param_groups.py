@@ -1,0 +1,33 @@
+"""Parameter groups of Goyal et al.: no weight decay (and no LARS adaptation) on biases and
+on the parameters of normalization layers."""
+
+from torch import nn
+
+_NORM_LAYERS = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+
+
+def param_groups(model, weight_decay):
+    """Two groups for an optimizer: the weights with `weight_decay`, and the biases plus every
+    parameter of a normalization layer with weight_decay 0 and lars_exclude=True. Frozen
+    parameters are left out; empty groups are dropped."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, _NORM_LAYERS) or name == "bias":
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True},
+    ]
+    return [group for group in groups if group["params"]]

@@ -1,0 +1,200 @@
+"""Fused SGD with momentum: torch.optim.SGD's update, in one kernel launch per device and dtype.
+
+The kernel (torch.ops.torch_bigbatch.sgd_step_) takes the tensors of every parameter group at
+once, so ResNet-50's 161 parameters are stepped by a single launch (torch's fused SGD packs at
+most 48 tensors per launch with momentum). The same kernel serves LARS (see lars.py).
+"""
+
+import torch
+from torch.optim import Optimizer
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MOMENTUM_FORMS = ("torch", "goyal")
+
+
+def _check_group(group):
+    """torch.optim.SGD's checks (and messages), applied to every group, plus ours."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if lr < 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if group["momentum"] < 0.0:
+        raise ValueError(f"Invalid momentum value: {group['momentum']}")
+    if group["weight_decay"] < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    if group["momentum_form"] not in _MOMENTUM_FORMS:
+        raise ValueError(
+            f"Invalid momentum_form: {group['momentum_form']!r} (expected 'torch' or 'goyal')"
+        )
+    if _uncorrected_goyal(group) and isinstance(lr, torch.Tensor):
+        raise ValueError(
+            "momentum_form='goyal' with lr_correction=False needs a float lr, not a Tensor"
+        )
+
+
+def _uncorrected_goyal(group):
+    return group["momentum_form"] == "goyal" and not group["lr_correction"]
+
+
+def _momentum_scale(group):
+    """The buffer-decay factor that makes torch's update follow Goyal et al.'s eq. (10).
+
+    Eq. (10), as Caffe2 implements it, keeps v = lr * b and updates v <- mu * c * v + lr * g,
+    p <- p - v, with the momentum correction c = lr_t / lr_{t-1}. In torch's buffer b = v / lr
+    that is b <- mu * c * (lr_{t-1} / lr_t) * b + g: with the correction (the default) exactly
+    torch's form, without it the factor lr_{t-1} / lr_t that the paper warns about. Keeping b
+    in torch's meaning lets state dicts move between both forms and torch.optim.SGD.
+    """
+    if not _uncorrected_goyal(group):
+        return 1.0
+    lr, previous = float(group["lr"]), group.get("prev_lr")
+    group["prev_lr"] = lr
+    # A step at lr 0 has no velocity to rescale; keep the buffer as it is.
+    return previous / lr if previous is not None and lr > 0 else 1.0
+
+
+class _Launch:
+    """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
+
+    def __init__(self):
+        self.params, self.grads, self.buffers, self.group_of_tensor = [], [], [], []
+
+
+class _FusedSGD(Optimizer):
+    """The fused step shared by SGD and LARS; subclasses give the public constructor."""
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        # torch.amp.GradScaler then hands grad_scale and found_inf to step() instead of
+        # unscaling: the kernel unscales and skips the step on the device, without a sync.
+        self._step_supports_amp_scaling = True
+
+    def add_param_group(self, param_group):
+        _check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # Groups loaded from torch.optim.SGD (or an older version) lack our keys.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def _trust_coefficient(self, group):
+        """LARS's coefficient for a group; 0 leaves its update unadapted."""
+        return 0.0
+
+    def _gather_launches(self):
+        launches = {}
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients"
+                    )
+                if p.dtype not in _SUPPORTED_DTYPES:
+                    raise TypeError(
+                        f"{type(self).__name__} supports float32, float16 and bfloat16 "
+                        f"parameters, got {p.dtype}"
+                    )
+                if grad.stride() != p.stride():
+                    grad = torch.empty_like(p).copy_(grad)  # the kernel walks both as flat arrays
+                mode = "none"
+                buffer = None
+                if group["momentum"] != 0:
+                    state = self.state[p]
+                    buffer = state.get("momentum_buffer")
+                    mode = "update"
+                    if buffer is None:
+                        buffer = state["momentum_buffer"] = torch.zeros_like(p)
+                        mode = "first"
+                launch = launches.setdefault((p.device, p.dtype, mode), _Launch())
+                launch.params.append(p)
+                launch.grads.append(grad)
+                if buffer is not None:
+                    launch.buffers.append(buffer)
+                launch.group_of_tensor.append(index)
+        return launches
+
+    def _group_lists(self, device, momentum_scales):
+        lists = {key: [] for key in ("lr", "lr_tensor", "momentum", "momentum_scale",
+                                     "dampening", "weight_decay", "nesterov", "maximize",
+                                     "trust_coefficient", "trust_eps", "trust_clip")}
+        for group, momentum_scale in zip(self.param_groups, momentum_scales):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device == device:
+                lists["lr"].append(0.0)
+                lists["lr_tensor"].append(lr.to(torch.float32))
+            else:
+                lists["lr"].append(float(lr))
+                lists["lr_tensor"].append(None)
+            lists["momentum"].append(float(group["momentum"]))
+            lists["momentum_scale"].append(momentum_scale)
+            lists["dampening"].append(float(group["dampening"]))
+            lists["weight_decay"].append(float(group["weight_decay"]))
+            lists["nesterov"].append(bool(group["nesterov"]))
+            lists["maximize"].append(bool(group["maximize"]))
+            lists["trust_coefficient"].append(float(self._trust_coefficient(group)))
+            lists["trust_eps"].append(float(group.get("eps", 0.0)))
+            lists["trust_clip"].append(bool(group.get("clip", False)))
+        return lists
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model
+                and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        launches = self._gather_launches()  # checks every tensor before any is touched
+        momentum_scales = [_momentum_scale(group) for group in self.param_groups]
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for (device, _, mode), launch in launches.items():
+            torch.ops.torch_bigbatch.sgd_step_(
+                launch.params,
+                launch.grads,
+                launch.buffers,
+                launch.group_of_tensor,
+                **self._group_lists(device, momentum_scales),
+                grad_scale=None if grad_scale is None else grad_scale.to(device),
+                found_inf=None if found_inf is None else found_inf.to(device),
+                first_step=mode == "first",
+            )
+        return loss
+
+
+class SGD(_FusedSGD):
+    r"""Drop-in for torch.optim.SGD: the same arguments, groups, state dicts and update.
+
+    Args:
+        params: iterable of parameters or dicts defining parameter groups.
+        lr (float or Tensor): learning rate (default: 1e-3); a one-element tensor on the
+            parameters' device is read by the kernel, so a step can be captured in a CUDA graph.
+        momentum, dampening, weight_decay, nesterov, maximize: as in torch.optim.SGD. Weight
+            decay is always lr * wd * p inside the update, never a scale of the loss.
+        momentum_form: "torch" (Goyal et al. eq. 9, torch.optim.SGD) or "goyal" (eq. 10 as
+            Caffe2 implements it, v <- mu * c * v + lr * g, p <- p - v).
+        lr_correction: apply the momentum correction c = lr_t / lr_{t-1} in the "goyal" form
+            (default True), which makes both forms follow the same trajectory under any LR
+            schedule; without it the "goyal" form drifts whenever the LR changes.
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+                 nesterov=False, *, maximize=False, momentum_form="torch", lr_correction=True):
+        super().__init__(params, {
+            "lr": lr, "momentum": momentum, "dampening": dampening,
+            "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+            "momentum_form": momentum_form, "lr_correction": lr_correction,
+        })
