@@ -1,0 +1,67 @@
+"""torch.amp.GradScaler drives the fused step: the kernel unscales and skips, on the device."""
+
+import pytest
+import torch
+
+import torch_bigbatch as bb
+from conftest import DEVICES
+
+
+def model_and_batch(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4)).to(device)
+    return model, torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_gradients_are_unscaled_in_the_kernel(device):
+    model, x, y = model_and_batch(device)
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    optimizer = bb.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    expected_optimizer = torch.optim.SGD(reference, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        true_grads = [p.grad / 1024.0 for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        # GradScaler left the gradients scaled: the kernel did the unscaling.
+        for p, g in zip(model.parameters(), true_grads):
+            torch.testing.assert_close(p.grad, g * 1024.0)
+        for r, g in zip(reference, true_grads):
+            r.grad = g.clone()
+        expected_optimizer.step()
+        for p, r in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    assert scaler.get_scale() == 1024.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_inf_gradient_skips_the_step(device, unscale_first):
+    model, x, y = model_and_batch(device)
+    optimizer = bb.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler(device, init_scale=256.0)
+    # One clean step so that momentum buffers exist.
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    before = [p.detach().clone() for p in model.parameters()]
+    buffers = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+
+    optimizer.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    if unscale_first:  # e.g. to clip gradients: GradScaler then passes found_inf alone
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    for p, b, p0, b0 in zip(model.parameters(), [optimizer.state[p]["momentum_buffer"]
+                                                 for p in model.parameters()], before, buffers):
+        torch.testing.assert_close(p.detach(), p0, rtol=0, atol=0)
+        torch.testing.assert_close(b, b0, rtol=0, atol=0)
+    assert scaler.get_scale() == 128.0  # the scaler saw the inf and backed off

@@ -1,0 +1,126 @@
+"""The op itself: its registration (opcheck), tracing under torch.compile, and its errors."""
+
+import pytest
+import torch
+
+import torch_bigbatch as bb
+from conftest import DEVICES
+
+
+def op_args(device, n_groups=2, with_buffers=True):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(33,), (4, 9), (20000,)]
+    params = [torch.randn(s, generator=generator).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=generator).to(device) for s in shapes]
+    buffers = [torch.randn(s, generator=generator).to(device) for s in shapes] if with_buffers else []
+    return dict(
+        params=params, grads=grads, momentum_buffers=buffers, group_of_tensor=[0, 1, 0],
+        lr=[0.1] * n_groups, lr_tensor=[None] * n_groups, momentum=[0.9] * n_groups,
+        momentum_scale=[1.0] * n_groups, dampening=[0.0] * n_groups,
+        weight_decay=[1e-4] * n_groups, nesterov=[True] * n_groups, maximize=[False] * n_groups,
+        trust_coefficient=[0.0, 0.001][:n_groups], trust_eps=[1e-8] * n_groups,
+        trust_clip=[False] * n_groups, grad_scale=None, found_inf=None, first_step=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    args = op_args(device)
+    torch.library.opcheck(torch.ops.torch_bigbatch.sgd_step_.default, (), args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_runs_under_torch_compile(device):
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 2)).to(device) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [bb.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                               weight_decay=1e-3) for m in models]
+    compiled_step = torch.compile(optimizers[1].step)
+    x = torch.randn(16, 8, device=device)
+    for _ in range(4):
+        for model in models:
+            model.zero_grad()
+            model(x).square().mean().backward()
+        optimizers[0].step()
+        compiled_step()
+    for eager, compiled in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_hyperparameters_get_torchs_errors():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        bb.optim.SGD(p, lr=-0.1)
+    with pytest.raises(ValueError, match="Invalid momentum value"):
+        bb.optim.SGD(p, lr=0.1, momentum=-0.9)
+    with pytest.raises(ValueError, match="Invalid weight_decay value"):
+        bb.optim.SGD(p, lr=0.1, weight_decay=-1e-4)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
+        bb.optim.SGD(p, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="zero dampening"):
+        bb.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        bb.optim.SGD(p, lr=torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="momentum_form"):
+        bb.optim.SGD(p, lr=0.1, momentum_form="caffe")
+    with pytest.raises(ValueError, match="needs a float lr"):
+        bb.optim.SGD(p, lr=torch.tensor(0.1), momentum_form="goyal", lr_correction=False)
+    with pytest.raises(ValueError, match="Invalid trust_coefficient"):
+        bb.optim.LARS(p, lr=0.1, trust_coefficient=-1.0)
+    optimizer = bb.optim.SGD(p, lr=0.1)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": -1.0})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_sparse_gradient_is_refused_before_any_update():
+    dense = torch.nn.Parameter(torch.ones(3))
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = bb.optim.SGD([dense, *embedding.parameters()], lr=0.1)
+    dense.grad = torch.ones(3)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        optimizer.step()
+    torch.testing.assert_close(dense.detach(), torch.ones(3))  # nothing half-applied
+
+
+def test_unsupported_dtype_is_refused():
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    optimizer = bb.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16 parameters, got torch.float64"):
+        optimizer.step()
+
+
+def test_gradient_with_other_strides_is_handled():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    expected = p.detach() - 0.1 * torch.arange(24.0).reshape(6, 4).t()
+    optimizer = bb.optim.SGD([p], lr=0.1)
+    p.grad = torch.arange(24.0).reshape(6, 4).t()  # a transposed, non-contiguous gradient
+    optimizer.step()
+    torch.testing.assert_close(p.detach(), expected)
+
+
+def test_op_checks_its_arguments():
+    op = torch.ops.torch_bigbatch.sgd_step_
+    with pytest.raises(RuntimeError, match="must have the same length"):
+        op(**{**op_args("cpu"), "grads": op_args("cpu")["grads"][:2]})
+    with pytest.raises(RuntimeError, match="every per-group list must have 2 entries"):
+        op(**{**op_args("cpu"), "momentum": [0.9]})
+    with pytest.raises(RuntimeError, match="group_of_tensor\\[2\\] = 5"):
+        op(**{**op_args("cpu"), "group_of_tensor": [0, 1, 5]})
+    with pytest.raises(RuntimeError, match="grads\\[1\\].*does not match params\\[1\\]"):
+        args = op_args("cpu")
+        args["grads"][1] = args["grads"][1].t()
+        op(**args)
+    with pytest.raises(RuntimeError, match="first_step needs momentum_buffers"):
+        op(**{**op_args("cpu", with_buffers=False), "first_step": True})
+    with pytest.raises(RuntimeError, match="grad_scale must be a one-element float32 tensor"):
+        op(**{**op_args("cpu"), "grad_scale": torch.ones(2)})
+    with pytest.raises(RuntimeError, match="must be dense"):
+        args = op_args("cpu")
+        base = torch.randn(33, 2)
+        args["params"][0], args["grads"][0], args["momentum_buffers"][0] = (
+            base[:, 0], torch.randn(66)[::2], torch.randn(66)[::2])
+        op(**args)

@@ -1,0 +1,247 @@
+"""torch_bigbatch.optim.SGD against torch.optim.SGD, the trusted oracle."""
+
+import itertools
+
+import pytest
+import torch
+
+import torch_bigbatch as bb
+from conftest import DEVICES, assert_relative_close
+
+# Shapes that cover the vector tails and several chunks of the kernels (16384 elements each).
+SHAPES = [(37, 41), (5,), (3, 40000), (64, 3, 3, 3), (1,), (0,)]
+STEPS = 20
+
+
+def make_params(device, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=generator).to(device, dtype) for s in SHAPES]
+
+
+def run(optimizer_class, params, groups, steps=STEPS, lr_lambda=None, grad_seed=1, **kwargs):
+    """Steps an optimizer over copies of `params` split into `groups` (lists of indices, each with
+    its own options) with the same random gradients every time; returns the parameters."""
+    params = [p.clone().requires_grad_() for p in params]
+    optimizer = optimizer_class(
+        [{"params": [params[i] for i in indices], **options} for indices, options in groups],
+        **kwargs)
+    scheduler = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    generator = torch.Generator().manual_seed(grad_seed)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            grad = torch.randn(p.shape, generator=generator).to(p.device, p.dtype)
+            # Parameter 1 has no gradient every third step: it must be skipped, as torch does.
+            p.grad = None if (i == 1 and step % 3 == 0) else grad
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return [p.detach() for p in params], optimizer
+
+
+def warmup(step):
+    return (step + 1) / 5 if step < 5 else 0.5 ** (step // 8)  # changes at every step early on
+
+
+TWO_GROUPS = [([0, 2, 4], {}), ([1, 3, 5], {"lr": 0.03, "weight_decay": 0.02})]
+
+GRID = [
+    dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
+    for m, d, n, wd, mx in itertools.product([0.0, 0.9], [0.0, 0.25], [False, True],
+                                             [0.0, 1e-2], [False, True])
+    if not (n and (m == 0 or d != 0))
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", GRID, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("schedule", [None, warmup], ids=["constant_lr", "warmup_lr"])
+def test_matches_torch_sgd(device, options, schedule):
+    params = make_params(device)
+    expected, _ = run(torch.optim.SGD, params, TWO_GROUPS, lr=0.1, lr_lambda=schedule, **options)
+    actual, _ = run(bb.optim.SGD, params, TWO_GROUPS, lr=0.1, lr_lambda=schedule, **options)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e.numel():
+            assert_relative_close(a, e, 1e-6, f"param {i}")
+
+
+def velocity_sgd(params, lrs, grads, momentum, weight_decay, correction):
+    """Goyal et al. eq. (10) as Caffe2 writes it, in float64: v <- mu*c*v + lr*(g + wd*p),
+    p <- p - v, with c = lr_t / lr_{t-1} when corrected and 1 when not."""
+    params = [p.double().clone() for p in params]
+    velocities = [torch.zeros_like(p) for p in params]
+    for t, (lr, step_grads) in enumerate(zip(lrs, grads)):
+        c = lrs[t] / lrs[t - 1] if correction and t > 0 else 1.0
+        for p, v, g in zip(params, velocities, step_grads):
+            v.mul_(momentum * c).add_(lr * (g.double() + weight_decay * p))
+            p.sub_(v)
+    return params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("correction", [True, False])
+def test_goyal_form_follows_equation_10(device, correction):
+    params = make_params(device)
+    lrs = [0.1 * warmup(t) for t in range(STEPS)]
+    generator = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=generator).to(device) for p in params]
+             for _ in range(STEPS)]
+    ours = [p.clone().requires_grad_() for p in params]
+    optimizer = bb.optim.SGD(ours, lr=lrs[0], momentum=0.9, weight_decay=1e-2,
+                             momentum_form="goyal", lr_correction=correction)
+    for lr, step_grads in zip(lrs, grads):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for p, g in zip(ours, step_grads):
+            p.grad = g.clone()
+        optimizer.step()
+    expected = velocity_sgd(params, lrs, grads, 0.9, 1e-2, correction)
+    for i, (a, e) in enumerate(zip(ours, expected)):
+        if e.numel():
+            assert_relative_close(a.detach(), e, 2e-6, f"param {i}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_goyal_correction_matters_only_when_lr_changes(device):
+    params = make_params(device)
+    kwargs = dict(lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    groups = [(list(range(len(params))), {})]
+    for schedule in (None, warmup):
+        torch_form, _ = run(bb.optim.SGD, params, groups, lr_lambda=schedule, **kwargs)
+        corrected, _ = run(bb.optim.SGD, params, groups, lr_lambda=schedule,
+                           momentum_form="goyal", **kwargs)
+        uncorrected, _ = run(bb.optim.SGD, params, groups, lr_lambda=schedule,
+                             momentum_form="goyal", lr_correction=False, **kwargs)
+        for t, c, u in zip(torch_form, corrected, uncorrected):
+            if not t.numel():
+                continue
+            assert_relative_close(c, t, 1e-6, "goyal with correction vs torch form")
+            drift = ((u - t).abs().max() / t.abs().max()).item()
+            if schedule is None:
+                assert drift <= 1e-6, f"constant lr: uncorrected goyal drifted by {drift:.3g}"
+            else:
+                assert drift > 1e-3, f"changing lr: uncorrected goyal should drift, got {drift:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_parameters_use_float_math(device, dtype):
+    """One step rounds only once: float32 math on the stored values, then back to dtype."""
+    params = make_params(device, dtype)
+    kwargs = dict(lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    groups = [(list(range(len(params))), {})]
+    actual, optimizer = run(bb.optim.SGD, params, groups, steps=2, **kwargs)
+    # The oracle: torch's SGD in float32 from the same values, rounded to dtype after each step.
+    expected = [p.float() for p in params]
+    generator = torch.Generator().manual_seed(1)
+    buffers = [None] * len(params)
+    for step in range(2):
+        for i, p in enumerate(expected):
+            g = torch.randn(p.shape, generator=generator).to(device, dtype).float()
+            if i == 1 and step % 3 == 0:
+                continue
+            d = g + 1e-2 * p
+            buffers[i] = d.clone() if buffers[i] is None else 0.9 * buffers[i].to(dtype).float() + d
+            expected[i] = (p - 0.1 * (d + 0.9 * buffers[i])).to(dtype).float()
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), e, msg=f"param {i}")
+        assert optimizer.state[optimizer.param_groups[0]["params"][i]]["momentum_buffer"].dtype == dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_lr_matches_float_lr(device):
+    params = make_params(device)
+    groups = [(list(range(len(params))), {})]
+    expected, _ = run(bb.optim.SGD, params, groups, lr=0.1, momentum=0.9, lr_lambda=warmup)
+    actual, optimizer = run(bb.optim.SGD, params, groups, lr=torch.tensor(0.1, device=device),
+                            momentum=0.9, lr_lambda=warmup)
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    for a, e in zip(actual, expected):
+        if e.numel():
+            assert_relative_close(a, e, 1e-6, "tensor lr")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_tensors_and_groups_in_one_step(device):
+    """More tensors (400) and groups (20) than one CUDA launch's table holds (320, 16)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(7 + i % 50, generator=generator).to(device) for i in range(400)]
+    groups = [(list(range(g, 400, 20)), {"lr": 0.01 * (g + 1), "weight_decay": 1e-3 * g})
+              for g in range(20)]
+    expected, _ = run(torch.optim.SGD, params, groups, steps=3, momentum=0.9, nesterov=True)
+    actual, _ = run(bb.optim.SGD, params, groups, steps=3, momentum=0.9, nesterov=True)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_relative_close(a, e, 1e-6, f"param {i}")
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=STEPS),
+        lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=5),
+            torch.optim.lr_scheduler.MultiStepLR(o, milestones=[5, 10])], milestones=[5]),
+        lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1),
+    ],
+    ids=["StepLR", "CosineAnnealingLR", "OneCycleLR", "SequentialLR", "ReduceLROnPlateau"],
+)
+def test_torch_lr_schedulers_drive_it(scheduler):
+    results = []
+    for optimizer_class in (torch.optim.SGD, bb.optim.SGD):
+        p = torch.nn.Parameter(torch.ones(10))
+        optimizer = optimizer_class([p], lr=0.1, momentum=0.9)
+        sched = scheduler(optimizer)
+        lrs = []
+        for step in range(STEPS):
+            p.grad = torch.full_like(p, 0.1 * (step % 4))
+            optimizer.step()
+            lrs.append(optimizer.param_groups[0]["lr"])
+            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched.step(1.0)
+            else:
+                sched.step()
+        results.append((p.detach().clone(), lrs))
+    assert results[0][1] == results[1][1]
+    assert_relative_close(results[1][0], results[0][0], 1e-6, "parameters")
+
+
+def test_closure_and_zero_grad():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = bb.optim.SGD([p], lr=0.5)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (p ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert loss.item() == 5.0
+    torch.testing.assert_close(p.detach(), torch.tensor([0.0, 0.0]))  # p - 0.5 * 2p
+    optimizer.zero_grad()
+    assert p.grad is None
+
+
+def test_param_groups_split_decay_from_biases_and_norms():
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+    model[0].weight.requires_grad_(True)
+    decay, no_decay = bb.optim.param_groups(model, weight_decay=1e-4)
+    ids = lambda params: {id(p) for p in params}  # noqa: E731
+    assert ids(decay["params"]) == ids([model[0].weight, model[4].weight])
+    assert ids(no_decay["params"]) == ids([model[1].weight, model[1].bias, model[4].bias,
+                                           model[5].weight, model[5].bias])
+    assert decay["weight_decay"] == 1e-4 and not decay.get("lars_exclude", False)
+    assert no_decay["weight_decay"] == 0.0 and no_decay["lars_exclude"] is True
+    # torch.optim.SGD accepts the same groups, so they work with either optimizer.
+    torch.optim.SGD(bb.optim.param_groups(model, 1e-4), lr=0.1)
+
+
+def test_param_groups_leave_out_frozen_parameters_and_empty_groups():
+    model = torch.nn.Linear(3, 2, bias=False)
+    assert [len(g["params"]) for g in bb.optim.param_groups(model, 1e-4)] == [1]
+    model.weight.requires_grad_(False)
+    assert bb.optim.param_groups(model, 1e-4) == []

@@ -1,0 +1,67 @@
+"""State dicts move between torch.optim.SGD and ours, both ways, with the same meaning."""
+
+import pytest
+import torch
+
+import torch_bigbatch as bb
+
+
+def train(optimizer_class, params, steps, state_dict=None, seed=0, **kwargs):
+    optimizer = optimizer_class([{"params": params[:2]},
+                                 {"params": params[2:], "weight_decay": 0.0}], **kwargs)
+    if state_dict is not None:
+        optimizer.load_state_dict(state_dict)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return optimizer
+
+
+def fresh_params():
+    generator = torch.Generator().manual_seed(42)
+    return [torch.randn(s, generator=generator).requires_grad_() for s in [(10, 3), (7,), (5, 5)]]
+
+
+KWARGS = dict(lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+
+
+@pytest.mark.parametrize("first, second", [(torch.optim.SGD, bb.optim.SGD),
+                                           (bb.optim.SGD, torch.optim.SGD)],
+                         ids=["torch_to_ours", "ours_to_torch"])
+@pytest.mark.parametrize("momentum_form", ["torch", "goyal"])
+def test_state_dict_round_trip(first, second, momentum_form):
+    form = {"momentum_form": momentum_form}
+    first_form = form if first is bb.optim.SGD else {}
+    second_form = form if second is bb.optim.SGD else {}
+    # Straight run with torch.optim.SGD: 6 steps.
+    expected = fresh_params()
+    reference = train(torch.optim.SGD, expected, 3, seed=0, **KWARGS)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in expected:
+            p.grad = torch.randn(p.shape, generator=generator)
+        reference.step()
+
+    # 3 steps with `first`, its state dict loaded into `second`, 3 more steps.
+    params = fresh_params()
+    saved = train(first, params, 3, seed=0, **first_form, **KWARGS).state_dict()
+    resumed = train(second, params, 3, seed=1, state_dict=saved, **second_form, **KWARGS)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e.detach(), rtol=1e-6, atol=1e-7)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(resumed.state[p]["momentum_buffer"],
+                                   reference.state[e]["momentum_buffer"], rtol=1e-6, atol=1e-7)
+    if second is bb.optim.SGD:
+        assert all(g["momentum_form"] == momentum_form for g in resumed.param_groups)
+
+
+def test_saved_state_keeps_our_options():
+    params = fresh_params()
+    optimizer = train(bb.optim.SGD, params, 2, momentum_form="goyal", lr_correction=False, **KWARGS)
+    loaded = bb.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=1.0)
+    loaded.load_state_dict(optimizer.state_dict())
+    assert [g["momentum_form"] for g in loaded.param_groups] == ["goyal", "goyal"]
+    assert [g["lr_correction"] for g in loaded.param_groups] == [False, False]
+    assert [g["lr"] for g in loaded.param_groups] == [0.1, 0.1]
