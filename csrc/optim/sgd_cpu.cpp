@@ -39,9 +39,9 @@ SgdScalars<Vec> broadcast(const SgdScalars<float>& s) {
           Vec(s.grad_weight), Vec(s.momentum),     Vec(s.lr)};
 }
 
-template <typename T>
-void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScalars<float>& scalars,
-                  BufferMode mode, bool nesterov) {
+// The loop with the buffer mode and Nesterov as constants, so that no branch stays inside it.
+template <typename T, BufferMode kMode, bool kNesterov>
+void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScalars<float>& scalars) {
   constexpr int64_t kStep = 2 * Vec::size();
   const SgdScalars<Vec> s = broadcast(scalars);
   T* param = static_cast<T*>(t.param);
@@ -52,10 +52,24 @@ void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScala
     Vec p[2], g[2], b[2] = {Vec(0.f), Vec(0.f)};
     load_floats(param + i, count, p[0], p[1]);
     load_floats(grad + i, count, g[0], g[1]);
-    if (mode == BufferMode::Update) load_floats(buffer + i, count, b[0], b[1]);
-    for (int k = 0; k < 2; ++k) p[k] = sgd_update(p[k], g[k], b[k], s, mode, nesterov);
+    if (kMode == BufferMode::Update) load_floats(buffer + i, count, b[0], b[1]);
+    for (int k = 0; k < 2; ++k) p[k] = sgd_update(p[k], g[k], b[k], s, kMode, kNesterov);
     store_floats(param + i, count, p[0], p[1]);
-    if (mode != BufferMode::None) store_floats(buffer + i, count, b[0], b[1]);
+    if (kMode != BufferMode::None) store_floats(buffer + i, count, b[0], b[1]);
+  }
+}
+
+template <typename T>
+void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScalars<float>& s,
+                  BufferMode mode, bool nesterov) {
+  switch (mode) {
+    case BufferMode::None: return update_range<T, BufferMode::None, false>(t, begin, end, s);
+    case BufferMode::First:
+      return nesterov ? update_range<T, BufferMode::First, true>(t, begin, end, s)
+                      : update_range<T, BufferMode::First, false>(t, begin, end, s);
+    case BufferMode::Update:
+      return nesterov ? update_range<T, BufferMode::Update, true>(t, begin, end, s)
+                      : update_range<T, BufferMode::Update, false>(t, begin, end, s);
   }
 }
 

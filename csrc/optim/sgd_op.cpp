@@ -24,17 +24,27 @@ const float* scalar_pointer(const std::optional<at::Tensor>& t, const at::Device
   return t->data_ptr<float>();
 }
 
-// The gradient and the buffer must share the parameter's dense memory layout, since the
-// kernels walk all three as flat arrays.
-void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* name, size_t i) {
+// The kernels walk a parameter, its gradient and its buffer as flat arrays in one layout.
+void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* name, size_t i,
+                      bool same_strides) {
   TORCH_CHECK(t.layout() == at::kStrided, "torch_bigbatch::sgd_step_: ", name, "[", i,
               "] is ", t.layout(), "; sparse gradients are not supported");
   TORCH_CHECK(t.scalar_type() == param.scalar_type() && t.device() == param.device() &&
-                  t.sizes() == param.sizes() && t.strides() == param.strides(),
+                  t.sizes() == param.sizes() && (!same_strides || t.strides() == param.strides()),
               "torch_bigbatch::sgd_step_: ", name, "[", i, "] (", t.scalar_type(), " ", t.sizes(),
               " strides ", t.strides(), " on ", t.device(), ") does not match params[", i, "] (",
               param.scalar_type(), " ", param.sizes(), " strides ", param.strides(), " on ",
               param.device(), ")");
+}
+
+// The gradient in the parameter's memory layout: itself, or a copy that `keep_alive` holds
+// until the kernels have been enqueued (a rare case: autograd lays gradients out like params).
+const at::Tensor& grad_like_param(const at::Tensor& grad, const at::Tensor& param, size_t i,
+                                  std::vector<at::Tensor>& keep_alive) {
+  check_like_param(grad, param, "grads", i, /*same_strides=*/false);
+  if (grad.strides() == param.strides()) return grad;
+  keep_alive.push_back(at::empty_like(param).copy_(grad));
+  return keep_alive.back();
 }
 
 }  // namespace
@@ -47,7 +57,9 @@ SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorLis
                       const c10::List<bool>& nesterov, const c10::List<bool>& maximize,
                       at::ArrayRef<double> trust_coefficient, at::ArrayRef<double> trust_eps,
                       const c10::List<bool>& trust_clip, const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf, bool first_step) {
+                      const std::optional<at::Tensor>& found_inf, bool first_step,
+                      std::vector<at::Tensor>& keep_alive) {
+  keep_alive.reserve(params.size());  // references into it must stay valid
   const size_t n = params.size();
   const bool has_buffers = !momentum_buffers.empty();
   TORCH_CHECK(grads.size() == n && group_of_tensor.size() == n &&
@@ -97,12 +109,12 @@ SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorLis
                 p.scalar_type(), " on ", p.device());
     TORCH_CHECK(p.is_non_overlapping_and_dense(), "torch_bigbatch::sgd_step_: params[", i,
                 "] must be dense (strides ", p.strides(), " for sizes ", p.sizes(), ")");
-    check_like_param(grads[i], p, "grads", i);
-    if (has_buffers) check_like_param(momentum_buffers[i], p, "momentum_buffers", i);
+    const at::Tensor& grad = grad_like_param(grads[i], p, i, keep_alive);
+    if (has_buffers) check_like_param(momentum_buffers[i], p, "momentum_buffers", i, true);
     TORCH_CHECK(group_of_tensor[i] >= 0 && static_cast<size_t>(group_of_tensor[i]) < n_groups,
                 "torch_bigbatch::sgd_step_: group_of_tensor[", i, "] = ", group_of_tensor[i],
                 " is not a group index below ", n_groups);
-    step.tensors.push_back({p.data_ptr(), grads[i].data_ptr(),
+    step.tensors.push_back({p.data_ptr(), grad.data_ptr(),
                             has_buffers ? momentum_buffers[i].data_ptr() : nullptr, p.numel(),
                             static_cast<int>(group_of_tensor[i])});
   }

@@ -16,7 +16,8 @@ SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorLis
                       const c10::List<bool>& nesterov, const c10::List<bool>& maximize,
                       at::ArrayRef<double> trust_coefficient, at::ArrayRef<double> trust_eps,
                       const c10::List<bool>& trust_clip, const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf, bool first_step);
+                      const std::optional<at::Tensor>& found_inf, bool first_step,
+                      std::vector<at::Tensor>& keep_alive);
 
 // The op's kernel for one device: `Run(step, params)` launches the update.
 template <void (*Run)(const SgdStep&, at::TensorList)>
@@ -30,9 +31,10 @@ void sgd_step_kernel(at::TensorList params, at::TensorList grads, at::TensorList
                      const c10::List<bool>& trust_clip, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf, bool first_step) {
   if (params.empty()) return;
+  std::vector<at::Tensor> keep_alive;  // copies that the step's raw pointers point into
   Run(make_sgd_step(params, grads, momentum_buffers, group_of_tensor, lr, lr_tensor, momentum,
                     momentum_scale, dampening, weight_decay, nesterov, maximize, trust_coefficient,
-                    trust_eps, trust_clip, grad_scale, found_inf, first_step),
+                    trust_eps, trust_clip, grad_scale, found_inf, first_step, keep_alive),
       params);
 }
 

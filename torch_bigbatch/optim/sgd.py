@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MOMENTUM_FORMS = ("torch", "goyal")
+_NO_BUFFER, _FIRST_STEP, _UPDATE_BUFFER = range(3)  # how a launch treats momentum buffers
 
 
 def _check_group(group):
@@ -59,7 +60,8 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self):
+    def __init__(self, first_step):
+        self.first_step = first_step
         self.params, self.grads, self.buffers, self.group_of_tensor = [], [], [], []
 
 
@@ -88,39 +90,38 @@ class _FusedSGD(Optimizer):
         return 0.0
 
     def _gather_launches(self):
+        # Runs for every parameter at every step, so it reads as few tensor attributes as it
+        # can: the kernel's glue checks the rest (shapes, strides, devices) in C++.
         launches = {}
         for index, group in enumerate(self.param_groups):
+            has_momentum = group["momentum"] != 0
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients"
-                    )
-                if p.dtype not in _SUPPORTED_DTYPES:
-                    raise TypeError(
-                        f"{type(self).__name__} supports float32, float16 and bfloat16 "
-                        f"parameters, got {p.dtype}"
-                    )
-                if grad.stride() != p.stride():
-                    grad = torch.empty_like(p).copy_(grad)  # the kernel walks both as flat arrays
-                mode = "none"
-                buffer = None
-                if group["momentum"] != 0:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                buffer, mode = None, _NO_BUFFER
+                if has_momentum:
                     state = self.state[p]
-                    buffer = state.get("momentum_buffer")
-                    mode = "update"
+                    buffer, mode = state.get("momentum_buffer"), _UPDATE_BUFFER
                     if buffer is None:
                         buffer = state["momentum_buffer"] = torch.zeros_like(p)
-                        mode = "first"
-                launch = launches.setdefault((p.device, p.dtype, mode), _Launch())
+                        mode = _FIRST_STEP
+                key = (p.dtype, p.get_device(), mode)  # get_device(): -1 on the CPU
+                launch = launches.get(key)
+                if launch is None:
+                    if p.dtype not in _SUPPORTED_DTYPES:
+                        raise TypeError(
+                            f"{type(self).__name__} supports float32, float16 and bfloat16 "
+                            f"parameters, got {p.dtype}")
+                    launch = launches[key] = _Launch(first_step=mode == _FIRST_STEP)
                 launch.params.append(p)
                 launch.grads.append(grad)
                 if buffer is not None:
                     launch.buffers.append(buffer)
                 launch.group_of_tensor.append(index)
-        return launches
+        return launches.values()
 
     def _group_lists(self, device, momentum_scales):
         lists = {key: [] for key in ("lr", "lr_tensor", "momentum", "momentum_scale",
@@ -161,7 +162,8 @@ class _FusedSGD(Optimizer):
         momentum_scales = [_momentum_scale(group) for group in self.param_groups]
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for (device, _, mode), launch in launches.items():
+        for launch in launches:
+            device = launch.params[0].device
             torch.ops.torch_bigbatch.sgd_step_(
                 launch.params,
                 launch.grads,
@@ -170,7 +172,7 @@ class _FusedSGD(Optimizer):
                 **self._group_lists(device, momentum_scales),
                 grad_scale=None if grad_scale is None else grad_scale.to(device),
                 found_inf=None if found_inf is None else found_inf.to(device),
-                first_step=mode == "first",
+                first_step=launch.first_step,
             )
         return loss
 

@@ -1,0 +1,183 @@
+"""Benchmark one optimizer step over ResNet-50's parameters: torch_bigbatch.optim.SGD against
+torch.optim.SGD with foreach=True and with fused=True, all measured in the same run.
+
+Every variant steps its own copy of ResNet-50's 161 parameter tensors (25,557,032 elements)
+with random gradients, lr 0.1, momentum 0.9, weight decay 1e-4 and Nesterov momentum, after one
+warm-up step that creates the momentum buffers. torch.utils.benchmark.Timer times the steps;
+the table gives the median ms per step and the speedup against torch's fused SGD, and on CUDA
+the achieved bandwidth (a step reads p, g, b and writes p, b: 5 * numel * element size bytes)
+as GB/s and as a % of a device-to-device copy measured in the same run.
+
+Run it from the repository root:
+
+    python benchmarks/bench_optimizer.py                    # CPU, and CUDA when available
+    python benchmarks/bench_optimizer.py --device cuda --dtype bfloat16 --csv results.csv
+"""
+
+import argparse
+import csv
+import os
+import platform
+
+import torch
+from torch.utils import benchmark
+
+import torch_bigbatch
+
+RESNET50_TENSORS = 161
+RESNET50_NUMEL = 25_557_032
+HYPERPARAMETERS = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}
+VARIANTS = {
+    "torch foreach": lambda params: torch.optim.SGD(params, foreach=True, **HYPERPARAMETERS),
+    "torch fused": lambda params: torch.optim.SGD(params, fused=True, **HYPERPARAMETERS),
+    "torch_bigbatch": lambda params: torch_bigbatch.optim.SGD(params, **HYPERPARAMETERS),
+}
+BASELINE = "torch fused"
+COPY_BYTES = 512 * 2**20
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CSV_FIELDS = ["device", "dtype", "variant", "ms_per_step", "speedup_vs_torch_fused",
+              "gb_per_s", "pct_of_copy"]
+
+
+def resnet50_shapes():
+    """The shapes of torchvision's resnet50() parameters, in named_parameters() order."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
+    in_channels = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3)):
+        out_channels = width * 4  # Bottleneck.expansion
+        for block in range(blocks):
+            shapes += [(width, in_channels, 1, 1), (width,), (width,),  # conv1, bn1
+                       (width, width, 3, 3), (width,), (width,),  # conv2, bn2
+                       (out_channels, width, 1, 1), (out_channels,), (out_channels,)]  # conv3, bn3
+            if block == 0:  # downsample: conv, bn
+                shapes += [(out_channels, in_channels, 1, 1), (out_channels,), (out_channels,)]
+            in_channels = out_channels
+    shapes += [(1000, 2048), (1000,)]  # fc
+    return shapes
+
+
+def make_params(shapes, grads, device, dtype):
+    """Parameters with the given gradients, all on device in dtype."""
+    params = []
+    for shape, grad in zip(shapes, grads):
+        param = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        param.grad = grad.to(device=device, dtype=dtype, copy=True)
+        params.append(param)
+    return params
+
+
+def median_ms(stmt, globals_, min_run_time):
+    timer = benchmark.Timer(stmt=stmt, globals=globals_, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def copy_gb_per_s(device, min_run_time):
+    """Device-to-device copy bandwidth, counting the bytes read and written."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms("dst.copy_(src)", {"dst": dst, "src": src}, min_run_time)
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def bench_device(shapes, device, dtype, min_run_time):
+    """One row per variant (median ms/step, speedup, bandwidth on CUDA), and the copy GB/s."""
+    grads = [torch.randn(shape) for shape in shapes]
+    timings = {}
+    for name, make_optimizer in VARIANTS.items():
+        optimizer = make_optimizer(make_params(shapes, grads, device, dtype))
+        optimizer.step()  # warm-up: creates the momentum buffers
+        timings[name] = median_ms("optimizer.step()", {"optimizer": optimizer}, min_run_time)
+        del optimizer  # frees this variant's tensors before the next is built
+
+    step_bytes = 5 * RESNET50_NUMEL * dtype.itemsize
+    copy = copy_gb_per_s(device, min_run_time) if device == "cuda" else None
+    rows = []
+    for name, ms in timings.items():
+        row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "variant": name,
+               "ms_per_step": ms, "speedup_vs_torch_fused": timings[BASELINE] / ms,
+               "gb_per_s": None, "pct_of_copy": None}
+        if copy is not None:
+            row["gb_per_s"] = step_bytes / ms / 1e6
+            row["pct_of_copy"] = 100 * row["gb_per_s"] / copy
+        rows.append(row)
+    return rows, copy
+
+
+def device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    if os.path.exists("/proc/cpuinfo"):  # platform.processor() is often empty on Linux
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def print_table(rows, copies):
+    header = (f"{'device':<6} {'variant':<15} {'ms/step':>9} {'vs fused':>9} "
+              f"{'GB/s':>7} {'% copy':>7}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        bandwidth = (f"{row['gb_per_s']:>7.0f} {row['pct_of_copy']:>6.1f}%"
+                     if row["gb_per_s"] is not None else f"{'-':>7} {'-':>7}")
+        print(f"{row['device']:<6} {row['variant']:<15} {row['ms_per_step']:>9.3f} "
+              f"{row['speedup_vs_torch_fused']:>8.2f}x {bandwidth}")
+    for device, copy in copies.items():
+        print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                        help="all: CPU, and CUDA when available (default)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--min-run-time", type=float, default=2.0,
+                        help="seconds of timing per variant (blocked_autorange)")
+    parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    return parser.parse_args()
+
+
+def pick_devices(choice):
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    if choice == "all":
+        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [choice]
+
+
+def main():
+    args = parse_args()
+    devices = pick_devices(args.device)
+    shapes = resnet50_shapes()
+    numel = sum(torch.Size(shape).numel() for shape in shapes)
+    assert len(shapes) == RESNET50_TENSORS, len(shapes)
+    assert numel == RESNET50_NUMEL, numel
+
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    names = ", ".join(f"{device}: {device_name(device)}" for device in devices)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {names}; "
+          f"ResNet-50 SGD step ({len(shapes)} tensors, {numel:,} elements, {args.dtype})")
+
+    rows, copies = [], {}
+    for device in devices:
+        device_rows, copy = bench_device(shapes, device, DTYPES[args.dtype], args.min_run_time)
+        rows += device_rows
+        if copy is not None:
+            copies[device] = copy
+    if args.csv:
+        write_csv(args.csv, rows)
+    print_table(rows, copies)
+
+
+if __name__ == "__main__":
+    main()
