@@ -77,12 +77,13 @@ def test_bad_hyperparameters_get_torchs_errors():
 def test_sparse_gradient_is_refused_before_any_update():
     dense = torch.nn.Parameter(torch.ones(3))
     embedding = torch.nn.Embedding(10, 3, sparse=True)
-    optimizer = bb.optim.SGD([dense, *embedding.parameters()], lr=0.1)
+    optimizer = bb.optim.SGD([dense, *embedding.parameters()], lr=0.1, momentum=0.9)
     dense.grad = torch.ones(3)
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         optimizer.step()
     torch.testing.assert_close(dense.detach(), torch.ones(3))  # nothing half-applied
+    assert not any("momentum_buffer" in s for s in optimizer.state.values())  # none created
 
 
 def test_unsupported_dtype_is_refused():

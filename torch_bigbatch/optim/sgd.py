@@ -103,11 +103,8 @@ class _FusedSGD(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 buffer, mode = None, _NO_BUFFER
                 if has_momentum:
-                    state = self.state[p]
-                    buffer, mode = state.get("momentum_buffer"), _UPDATE_BUFFER
-                    if buffer is None:
-                        buffer = state["momentum_buffer"] = torch.zeros_like(p)
-                        mode = _FIRST_STEP
+                    buffer = self.state[p].get("momentum_buffer")
+                    mode = _FIRST_STEP if buffer is None else _UPDATE_BUFFER
                 key = (p.dtype, p.get_device(), mode)  # get_device(): -1 on the CPU
                 launch = launches.get(key)
                 if launch is None:
@@ -121,6 +118,12 @@ class _FusedSGD(Optimizer):
                 if buffer is not None:
                     launch.buffers.append(buffer)
                 launch.group_of_tensor.append(index)
+        # New momentum buffers only once every tensor has passed the checks above.
+        for launch in launches.values():
+            if launch.first_step:
+                launch.buffers = [torch.zeros_like(p) for p in launch.params]
+                for p, buffer in zip(launch.params, launch.buffers):
+                    self.state[p]["momentum_buffer"] = buffer
         return launches.values()
 
     def _group_lists(self, device, momentum_scales):
