@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_bigbatch as bb
-from conftest import DEVICES, assert_relative_close
+from conftest import CUDA, DEVICES, assert_relative_close, needs_cuda
 
 # Shapes that cover the vector tails and several chunks of the kernels (16384 elements each).
 SHAPES = [(37, 41), (5,), (3, 40000), (64, 3, 3, 3), (1,), (0,)]
@@ -251,3 +251,52 @@ def test_param_groups_leave_out_frozen_parameters_and_empty_groups():
     assert [len(g["params"]) for g in bb.optim.param_groups(model, 1e-4)] == [1]
     model.weight.requires_grad_(False)
     assert bb.optim.param_groups(model, 1e-4) == []
+
+
+@CUDA
+@needs_cuda
+@pytest.mark.parametrize("optimizer_class", [bb.optim.SGD, bb.optim.LARS])
+def test_step_replays_in_a_cuda_graph(optimizer_class):
+    """With lr a tensor on the device, a captured step follows the schedule on replay."""
+    params = make_params("cuda")
+    kwargs = dict(momentum=0.9, nesterov=True, weight_decay=1e-2)
+    eager = [p.clone().requires_grad_() for p in params]
+    graphed = [p.clone().requires_grad_() for p in params]
+    eager_optimizer = optimizer_class(eager, lr=0.1, **kwargs)
+    lr = torch.tensor(0.1, device="cuda")
+    graphed_optimizer = optimizer_class(graphed, lr=lr, **kwargs)
+    generator = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(p.shape, generator=generator).cuda() for p in params] for _ in range(6)]
+
+    def set_grads(tensors, step):
+        for p, g in zip(tensors, grads[step]):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
+    # Warm up on a side stream (creates the buffers), then capture one step.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        set_grads(graphed, 0)
+        graphed_optimizer.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed_optimizer.step()
+    set_grads(eager, 0)
+    eager_optimizer.step()
+
+    for step in range(1, 6):
+        new_lr = 0.1 * (step + 1)  # the schedule changes lr between replays
+        lr.fill_(new_lr)
+        eager_optimizer.param_groups[0]["lr"] = new_lr
+        set_grads(graphed, step)
+        graph.replay()
+        set_grads(eager, step)
+        eager_optimizer.step()
+    torch.cuda.synchronize()
+    for i, (g, e) in enumerate(zip(graphed, eager)):
+        if e.numel():
+            assert_relative_close(g.detach(), e.detach(), 1e-6, f"param {i}")
