@@ -12,7 +12,7 @@ SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -na
 $(BUILD)/installed: $(SOURCES)
 	@mkdir -p $(BUILD)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install ninja numpy pytest pytest-timeout
+	$(PIP) install ninja pytest pytest-timeout
 	$(PIP) install --no-build-isolation -e .
 	@touch $@
 

@@ -4,8 +4,8 @@ torch.optim.SGD with foreach=True and with fused=True, all measured in the same 
 Every variant steps its own copy of ResNet-50's 161 parameter tensors (25,557,032 elements)
 with random gradients, lr 0.1, momentum 0.9, weight decay 1e-4 and Nesterov momentum, after one
 warm-up step that creates the momentum buffers. torch.utils.benchmark.Timer times the steps;
-the table gives the median ms per step and the speedup against torch's fused SGD, and on CUDA
-the achieved bandwidth (a step reads p, g, b and writes p, b: 5 * numel * element size bytes)
+the table gives the median ms per step, the speedup against torch's fused SGD, and the
+achieved bandwidth (a step reads p, g, b and writes p, b: 5 * numel * element size bytes)
 as GB/s and as a % of a device-to-device copy measured in the same run.
 
 Run it from the repository root:
@@ -90,16 +90,14 @@ def bench_device(shapes, device, dtype, min_run_time):
         del optimizer  # frees this variant's tensors before the next is built
 
     step_bytes = 5 * RESNET50_NUMEL * dtype.itemsize
-    copy = copy_gb_per_s(device, min_run_time) if device == "cuda" else None
+    copy = copy_gb_per_s(device, min_run_time)
     rows = []
     for name, ms in timings.items():
-        row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "variant": name,
-               "ms_per_step": ms, "speedup_vs_torch_fused": timings[BASELINE] / ms,
-               "gb_per_s": None, "pct_of_copy": None}
-        if copy is not None:
-            row["gb_per_s"] = step_bytes / ms / 1e6
-            row["pct_of_copy"] = 100 * row["gb_per_s"] / copy
-        rows.append(row)
+        gb_per_s = step_bytes / ms / 1e6
+        rows.append({"device": device, "dtype": str(dtype).removeprefix("torch."),
+                     "variant": name, "ms_per_step": ms,
+                     "speedup_vs_torch_fused": timings[BASELINE] / ms,
+                     "gb_per_s": gb_per_s, "pct_of_copy": 100 * gb_per_s / copy})
     return rows, copy
 
 
@@ -120,10 +118,9 @@ def print_table(rows, copies):
     print(header)
     print("-" * len(header))
     for row in rows:
-        bandwidth = (f"{row['gb_per_s']:>7.0f} {row['pct_of_copy']:>6.1f}%"
-                     if row["gb_per_s"] is not None else f"{'-':>7} {'-':>7}")
         print(f"{row['device']:<6} {row['variant']:<15} {row['ms_per_step']:>9.3f} "
-              f"{row['speedup_vs_torch_fused']:>8.2f}x {bandwidth}")
+              f"{row['speedup_vs_torch_fused']:>8.2f}x {row['gb_per_s']:>7.0f} "
+              f"{row['pct_of_copy']:>6.1f}%")
     for device, copy in copies.items():
         print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
 
@@ -170,10 +167,9 @@ def main():
 
     rows, copies = [], {}
     for device in devices:
-        device_rows, copy = bench_device(shapes, device, DTYPES[args.dtype], args.min_run_time)
+        device_rows, copies[device] = bench_device(shapes, device, DTYPES[args.dtype],
+                                                   args.min_run_time)
         rows += device_rows
-        if copy is not None:
-            copies[device] = copy
     if args.csv:
         write_csv(args.csv, rows)
     print_table(rows, copies)
