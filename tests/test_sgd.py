@@ -169,11 +169,11 @@ def test_tensor_lr_matches_float_lr(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_many_tensors_and_groups_in_one_step(device):
-    """More tensors (400) and groups (20) than one CUDA launch's table holds (320, 16)."""
+    """More tensors (400) and groups (70) than one CUDA launch's table holds (320, 64)."""
     generator = torch.Generator().manual_seed(0)
     params = [torch.randn(7 + i % 50, generator=generator).to(device) for i in range(400)]
-    groups = [(list(range(g, 400, 20)), {"lr": 0.01 * (g + 1), "weight_decay": 1e-3 * g})
-              for g in range(20)]
+    groups = [(list(range(g, 400, 70)), {"lr": 0.002 * (g + 1), "weight_decay": 1e-4 * g})
+              for g in range(70)]
     expected, _ = run(torch.optim.SGD, params, groups, steps=3, momentum=0.9, nesterov=True)
     actual, _ = run(bb.optim.SGD, params, groups, steps=3, momentum=0.9, nesterov=True)
     for i, (a, e) in enumerate(zip(actual, expected)):

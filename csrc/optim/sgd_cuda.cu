@@ -5,6 +5,11 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#if CUDART_VERSION < 12010
+#error "torch_bigbatch's CUDA kernels need CUDA 12.1+ (kernel parameters over 4 KB) and sm_70+"
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -16,7 +21,7 @@ namespace torch_bigbatch::optim {
 namespace {
 
 constexpr int kMaxTensors = 320;  // per launch
-constexpr int kMaxGroups = 16;    // per launch
+constexpr int kMaxGroups = 64;    // per launch (e.g. one group per layer)
 constexpr int64_t kChunk = 16384; // elements per block iteration unit
 constexpr int kThreads = 256;
 constexpr int kBlocksPerMultiprocessor = 8;
@@ -82,7 +87,7 @@ __device__ __forceinline__ bool skip_step(const LaunchArgs& args) {
 
 // LARS, first launch: per-chunk sums of squares of p and of the still-scaled g.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     chunk_sum_squares_kernel(const __grid_constant__ LaunchArgs args) {
   __shared__ float shared[kThreads / 32];
   if (skip_step(args)) return;
@@ -92,7 +97,23 @@ __global__ void __launch_bounds__(kThreads)
     const T* param = static_cast<const T*>(args.param[chunk.tensor]);
     const T* grad = static_cast<const T*>(args.grad[chunk.tensor]);
     float pp = 0.f, gg = 0.f;
-    for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += blockDim.x) {
+    int64_t tail = chunk.begin;
+    if (args.packed[chunk.tensor]) {
+      const int64_t packs = (chunk.end - chunk.begin) / kPack;
+      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+        const int64_t i = chunk.begin + k * kPack;
+        const Pack<T> p = *reinterpret_cast<const Pack<T>*>(param + i);
+        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(grad + i);
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          const float pj = to_float(p.v[j]), gj = to_float(g.v[j]);
+          pp += pj * pj;
+          gg += gj * gj;
+        }
+      }
+      tail = chunk.begin + packs * kPack;
+    }
+    for (int64_t i = tail + threadIdx.x; i < chunk.end; i += blockDim.x) {
       const float p = to_float(param[i]), g = to_float(grad[i]);
       pp += p * p;
       gg += g * g;
@@ -130,18 +151,30 @@ __device__ __forceinline__ void update_element(T* __restrict__ param, const T* _
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) sgd_kernel(const __grid_constant__ LaunchArgs args) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
+    sgd_kernel(const __grid_constant__ LaunchArgs args) {
   __shared__ float shared[kThreads / 32];
+  __shared__ int trust_tensor;  // the tensor whose ratio trust_cached holds (block-uniform)
+  __shared__ float trust_cached;
   if (skip_step(args)) return;
+  if (threadIdx.x == 0) trust_tensor = -1;
+  __syncthreads();  // trust_tensor is read below by every thread
   const float inv_grad_scale = args.grad_scale != nullptr ? 1.f / *args.grad_scale : 1.f;
   const BufferMode mode = args.mode;
   for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
     const Chunk chunk = chunk_at(args, c);
     const SgdGroup& group = args.groups[args.group[chunk.tensor]];
     const float lr = group.lr_ptr != nullptr ? *group.lr_ptr : group.lr;
-    const float trust = group.trust_coefficient != 0.f
-                            ? trust_ratio(args, chunk.tensor, inv_grad_scale, shared)
-                            : 1.f;
+    float trust = 1.f;
+    if (group.trust_coefficient != 0.f) {
+      if (trust_tensor != chunk.tensor) {  // block-uniform: all threads enter block_sum
+        const float r = trust_ratio(args, chunk.tensor, inv_grad_scale, shared);
+        __syncthreads();  // everyone has read trust_tensor before thread 0 changes it
+        if (threadIdx.x == 0) { trust_tensor = chunk.tensor; trust_cached = r; }
+        __syncthreads();
+      }
+      trust = trust_cached;
+    }
     const SgdScalars<float> s = sgd_scalars(group, lr, inv_grad_scale, trust);
     T* __restrict__ param = static_cast<T*>(args.param[chunk.tensor]);
     const T* __restrict__ grad = static_cast<const T*>(args.grad[chunk.tensor]);
@@ -188,6 +221,7 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
     LaunchArgs args{};
     std::vector<int> slot_of_group(step.groups.size(), -1);
     int n_groups = 0;
+    bool launch_lars = false;  // this launch has a LARS tensor
     for (; next < step.tensors.size() && args.n_tensors < kMaxTensors; ++next) {
       const SgdTensor& tensor = step.tensors[next];
       int& slot = slot_of_group[tensor.group];
@@ -197,6 +231,7 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
         args.groups[slot] = step.groups[tensor.group];
       }
       const int t = args.n_tensors++;
+      launch_lars |= step.groups[tensor.group].trust_coefficient != 0.f;
       args.param[t] = tensor.param;
       args.grad[t] = tensor.grad;
       args.buffer[t] = tensor.buffer;
@@ -210,12 +245,12 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
     args.grad_scale = step.grad_scale;
     args.found_inf = step.found_inf;
     args.mode = step.buffer_mode;
-    args.norm_partials = lars ? scratch : nullptr;
+    args.norm_partials = launch_lars ? scratch : nullptr;
     const int64_t chunks = args.chunk_offset[args.n_tensors];
     if (chunks == 0) continue;
     const int blocks = static_cast<int>(
         std::min<int64_t>(chunks, int64_t{multiprocessors} * kBlocksPerMultiprocessor));
-    if (lars) chunk_sum_squares_kernel<T><<<blocks, kThreads, 0, stream>>>(args);
+    if (launch_lars) chunk_sum_squares_kernel<T><<<blocks, kThreads, 0, stream>>>(args);
     sgd_kernel<T><<<blocks, kThreads, 0, stream>>>(args);
     if (lars) scratch += 2 * chunks;
     const cudaError_t error = cudaGetLastError();
