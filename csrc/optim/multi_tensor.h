@@ -15,11 +15,15 @@
 
 namespace torch_bigbatch {
 
+BB_HOST_DEVICE int64_t chunk_count(int64_t numel, int64_t chunk_size) {
+  return (numel + chunk_size - 1) / chunk_size;
+}
+
 // Prefix sums of the chunk counts: n_tensors + 1 entries, the last one the total.
 inline std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& numels, int64_t chunk_size) {
   std::vector<int64_t> offsets(numels.size() + 1, 0);
   for (size_t t = 0; t < numels.size(); ++t)
-    offsets[t + 1] = offsets[t] + (numels[t] + chunk_size - 1) / chunk_size;
+    offsets[t + 1] = offsets[t] + chunk_count(numels[t], chunk_size);
   return offsets;
 }
 

@@ -93,7 +93,7 @@ std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t e
           at::vec::vec_reduce_all<float>(std::plus<Vec>(), gg)};
 }
 
-// Calls body(tensor index, chunk begin, chunk end) for every chunk, in parallel.
+// Calls body(tensor, chunk, first element, end element) for every chunk, in parallel.
 template <typename Body>
 void for_each_chunk(const SgdStep& step, const std::vector<int64_t>& offsets, const Body& body) {
   const int n = static_cast<int>(step.tensors.size());

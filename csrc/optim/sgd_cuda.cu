@@ -236,7 +236,7 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
       args.grad[t] = tensor.grad;
       args.buffer[t] = tensor.buffer;
       args.numel[t] = tensor.numel;
-      args.chunk_offset[t + 1] = args.chunk_offset[t] + (tensor.numel + kChunk - 1) / kChunk;
+      args.chunk_offset[t + 1] = args.chunk_offset[t] + chunk_count(tensor.numel, kChunk);
       args.group[t] = static_cast<uint8_t>(slot);
       const size_t bytes = kPack * sizeof(T);
       args.packed[t] = is_aligned(tensor.param, bytes) && is_aligned(tensor.grad, bytes) &&
@@ -264,7 +264,7 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
 int64_t sgd_cuda_scratch_floats(const SgdStep& step) {
   if (!step.uses_lars()) return 0;
   int64_t chunks = 0;
-  for (const SgdTensor& t : step.tensors) chunks += (t.numel + kChunk - 1) / kChunk;
+  for (const SgdTensor& t : step.tensors) chunks += chunk_count(t.numel, kChunk);
   return 2 * chunks;
 }
 
