@@ -16,6 +16,9 @@ def sources(pattern):
 
 # ATen's SIMD vectors per capability: the flags a CPU must have, and the compiler's flags.
 CAPABILITIES = {
+    "avx512_bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16"},
+                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                     "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
     "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
@@ -28,8 +31,9 @@ CAPABILITIES = {
 def cpu_capability_flags():
     """The widest SIMD of the CPU we build on: the package is built from source where it runs
     (like -march=native), and the CPU kernel is memory-bound only with wide vectors (1.3x
-    faster with AVX-512 than with AVX2 here). TORCH_BIGBATCH_CPU_CAPABILITY=default|avx2|avx512
-    overrides, e.g. for a build that must run on older CPUs."""
+    faster with AVX-512 than with AVX2 here; avx512_bf16 adds a one-instruction float-to-bf16
+    conversion). TORCH_BIGBATCH_CPU_CAPABILITY=default|avx2|avx512|avx512_bf16 overrides,
+    e.g. for a build that must also run on older CPUs."""
     choice = os.environ.get("TORCH_BIGBATCH_CPU_CAPABILITY")
     if choice is None:
         flags = set()

@@ -3,7 +3,8 @@ torch.optim.SGD with foreach=True and with fused=True, all measured in the same 
 
 Every variant steps its own copy of ResNet-50's 161 parameter tensors (25,557,032 elements)
 with random gradients, lr 0.1, momentum 0.9, weight decay 1e-4 and Nesterov momentum, after one
-warm-up step that creates the momentum buffers. torch.utils.benchmark.Timer times the steps;
+warm-up step that creates the momentum buffers. torch.utils.benchmark.Timer times the steps,
+the variants taking turns over several rounds;
 the table gives the median ms per step, the speedup against torch's fused SGD, and the
 achieved bandwidth (a step reads p, g, b and writes p, b: 5 * numel * element size bytes)
 as GB/s and as a % of a device-to-device copy measured in the same run.
@@ -18,6 +19,7 @@ import argparse
 import csv
 import os
 import platform
+import statistics
 
 import torch
 from torch.utils import benchmark
@@ -79,15 +81,22 @@ def copy_gb_per_s(device, min_run_time):
     return 2 * COPY_BYTES / ms / 1e6
 
 
-def bench_device(shapes, device, dtype, min_run_time):
-    """One row per variant (median ms/step, speedup, bandwidth on CUDA), and the copy GB/s."""
+def bench_device(shapes, device, dtype, min_run_time, rounds):
+    """One row per variant (median ms/step, speedup, bandwidth), and the copy GB/s. The variants
+    take turns over `rounds` rounds, so a drift in the machine's speed (it is shared) hits them
+    alike; a variant's time is the median of its rounds' medians."""
     grads = [torch.randn(shape) for shape in shapes]
-    timings = {}
+    optimizers = {}
     for name, make_optimizer in VARIANTS.items():
-        optimizer = make_optimizer(make_params(shapes, grads, device, dtype))
-        optimizer.step()  # warm-up: creates the momentum buffers
-        timings[name] = median_ms("optimizer.step()", {"optimizer": optimizer}, min_run_time)
-        del optimizer  # frees this variant's tensors before the next is built
+        optimizers[name] = make_optimizer(make_params(shapes, grads, device, dtype))
+        optimizers[name].step()  # warm-up: creates the momentum buffers
+    per_round = {name: [] for name in optimizers}
+    for _ in range(rounds):
+        for name, optimizer in optimizers.items():
+            per_round[name].append(median_ms("optimizer.step()", {"optimizer": optimizer},
+                                             min_run_time / rounds))
+    timings = {name: statistics.median(times) for name, times in per_round.items()}
+    del optimizers
 
     step_bytes = 5 * RESNET50_NUMEL * dtype.itemsize
     copy = copy_gb_per_s(device, min_run_time)
@@ -137,8 +146,10 @@ def parse_args():
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
                         help="all: CPU, and CUDA when available (default)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--min-run-time", type=float, default=2.0,
-                        help="seconds of timing per variant (blocked_autorange)")
+    parser.add_argument("--min-run-time", type=float, default=3.0,
+                        help="seconds of timing per variant (blocked_autorange), over all rounds")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="the variants take turns this many times")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     return parser.parse_args()
 
@@ -168,7 +179,7 @@ def main():
     rows, copies = [], {}
     for device in devices:
         device_rows, copies[device] = bench_device(shapes, device, DTYPES[args.dtype],
-                                                   args.min_run_time)
+                                                   args.min_run_time, args.rounds)
         rows += device_rows
     if args.csv:
         write_csv(args.csv, rows)

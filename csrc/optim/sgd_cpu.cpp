@@ -35,6 +35,16 @@ C10_ALWAYS_INLINE void store_floats(T* dst, int64_t count, const Vec& lo, const 
   at::vec::convert_from_float<T>(lo, hi).store(dst, count);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// One instruction for 32 values (round to nearest even, as ATen's integer sequence does):
+// bf16 steps then run as fast as fp16 ones.
+template <>
+C10_ALWAYS_INLINE void store_floats(at::BFloat16* dst, int64_t count, const Vec& lo, const Vec& hi) {
+  const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  at::vec::Vectorized<at::BFloat16>(packed).store(dst, count);
+}
+#endif
+
 SgdScalars<Vec> broadcast(const SgdScalars<float>& s) {
   return {Vec(s.grad_factor), Vec(s.weight_decay), Vec(s.trust),   Vec(s.buffer_decay),
           Vec(s.grad_weight), Vec(s.momentum),     Vec(s.lr)};
