@@ -8,8 +8,9 @@ import torch
 import torch_bigbatch as bb
 from conftest import CUDA, DEVICES, assert_relative_close, needs_cuda
 
-# Shapes that cover the vector tails and several chunks of the kernels (16384 elements each).
-SHAPES = [(37, 41), (5,), (3, 40000), (64, 3, 3, 3), (1,), (0,)]
+# Shapes that cover the vector tails, several chunks of the kernels (16384 elements each) and
+# empty tensors between and after others (they own no chunk).
+SHAPES = [(37, 41), (5,), (0,), (3, 40000), (64, 3, 3, 3), (1,), (0,)]
 STEPS = 20
 
 
@@ -42,7 +43,7 @@ def warmup(step):
     return (step + 1) / 5 if step < 5 else 0.5 ** (step // 8)  # changes at every step early on
 
 
-TWO_GROUPS = [([0, 2, 4], {}), ([1, 3, 5], {"lr": 0.03, "weight_decay": 0.02})]
+TWO_GROUPS = [([0, 2, 4, 6], {}), ([1, 3, 5], {"lr": 0.03, "weight_decay": 0.02})]
 
 GRID = [
     dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
