@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "sgd_cuda.h"
@@ -54,10 +55,19 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
-template <typename T>
-struct alignas(kPack * sizeof(T)) Pack {
-  T v[kPack];
+// N consecutive elements, loaded and stored as one access (N * sizeof(T) bytes, aligned).
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Pack {
+  T v[N];
 };
+template <int N, typename T>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* data, int64_t i) {
+  return *reinterpret_cast<const Pack<T, N>*>(data + i);
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* data, int64_t i, const Pack<T, N>& pack) {
+  *reinterpret_cast<Pack<T, N>*>(data + i) = pack;
+}
 
 // Sum over the block; every thread gets the result. `shared` holds one float per warp.
 __device__ float block_sum(float x, float* shared) {
@@ -81,6 +91,22 @@ __device__ __forceinline__ Chunk chunk_at(const LaunchArgs& args, int64_t c) {
   return {t, begin, min(begin + kChunk, args.numel[t])};
 }
 
+// Walks the block's threads over a chunk: visit(i, width) for kPack-wide accesses where the
+// tensor's pointers are aligned (chunk.begin is a multiple of kChunk, so every pack is), then
+// for single elements; width is a std::integral_constant.
+template <typename Visit>
+__device__ __forceinline__ void for_each_pack(const Chunk& chunk, bool packed, const Visit& visit) {
+  int64_t tail = chunk.begin;
+  if (packed) {
+    const int64_t packs = (chunk.end - chunk.begin) / kPack;
+    for (int64_t k = threadIdx.x; k < packs; k += blockDim.x)
+      visit(chunk.begin + k * kPack, std::integral_constant<int, kPack>());
+    tail = chunk.begin + packs * kPack;
+  }
+  for (int64_t i = tail + threadIdx.x; i < chunk.end; i += blockDim.x)
+    visit(i, std::integral_constant<int, 1>());
+}
+
 __device__ __forceinline__ bool skip_step(const LaunchArgs& args) {
   return args.found_inf != nullptr && *args.found_inf != 0.f;
 }
@@ -97,27 +123,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     const T* param = static_cast<const T*>(args.param[chunk.tensor]);
     const T* grad = static_cast<const T*>(args.grad[chunk.tensor]);
     float pp = 0.f, gg = 0.f;
-    int64_t tail = chunk.begin;
-    if (args.packed[chunk.tensor]) {
-      const int64_t packs = (chunk.end - chunk.begin) / kPack;
-      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
-        const int64_t i = chunk.begin + k * kPack;
-        const Pack<T> p = *reinterpret_cast<const Pack<T>*>(param + i);
-        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(grad + i);
+    for_each_pack(chunk, args.packed[chunk.tensor], [&](int64_t i, auto width) {
+      constexpr int N = decltype(width)::value;
+      const Pack<T, N> p = load_pack<N>(param, i), g = load_pack<N>(grad, i);
 #pragma unroll
-        for (int j = 0; j < kPack; ++j) {
-          const float pj = to_float(p.v[j]), gj = to_float(g.v[j]);
-          pp += pj * pj;
-          gg += gj * gj;
-        }
+      for (int j = 0; j < N; ++j) {
+        const float pj = to_float(p.v[j]), gj = to_float(g.v[j]);
+        pp += pj * pj;
+        gg += gj * gj;
       }
-      tail = chunk.begin + packs * kPack;
-    }
-    for (int64_t i = tail + threadIdx.x; i < chunk.end; i += blockDim.x) {
-      const float p = to_float(param[i]), g = to_float(grad[i]);
-      pp += p * p;
-      gg += g * g;
-    }
+    });
     pp = block_sum(pp, shared);
     gg = block_sum(gg, shared);
     if (threadIdx.x == 0) {
@@ -138,16 +153,6 @@ __device__ float trust_ratio(const LaunchArgs& args, int t, float inv_grad_scale
   pp = block_sum(pp, shared);
   gg = block_sum(gg, shared);
   return lars_trust_ratio(sqrtf(pp), sqrtf(gg) * fabsf(inv_grad_scale), args.groups[args.group[t]]);
-}
-
-template <typename T>
-__device__ __forceinline__ void update_element(T* __restrict__ param, const T* __restrict__ grad,
-                                               T* __restrict__ buffer, int64_t i,
-                                               const SgdScalars<float>& s, BufferMode mode,
-                                               bool nesterov) {
-  float b = mode == BufferMode::Update ? to_float(buffer[i]) : 0.f;
-  param[i] = from_float<T>(sgd_update(to_float(param[i]), to_float(grad[i]), b, s, mode, nesterov));
-  if (mode != BufferMode::None) buffer[i] = from_float<T>(b);
 }
 
 template <typename T>
@@ -180,30 +185,21 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     const T* __restrict__ grad = static_cast<const T*>(args.grad[chunk.tensor]);
     T* __restrict__ buffer = static_cast<T*>(args.buffer[chunk.tensor]);
 
-    int64_t tail = chunk.begin;
-    if (args.packed[chunk.tensor]) {
-      // chunk.begin is a multiple of kChunk, so every pack below is aligned.
-      const int64_t packs = (chunk.end - chunk.begin) / kPack;
-      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
-        const int64_t i = chunk.begin + k * kPack;
-        Pack<T> p = *reinterpret_cast<const Pack<T>*>(param + i);
-        const Pack<T> g = *reinterpret_cast<const Pack<T>*>(grad + i);
-        Pack<T> b;
-        if (mode == BufferMode::Update) b = *reinterpret_cast<const Pack<T>*>(buffer + i);
+    for_each_pack(chunk, args.packed[chunk.tensor], [&](int64_t i, auto width) {
+      constexpr int N = decltype(width)::value;
+      Pack<T, N> p = load_pack<N>(param, i), b;
+      const Pack<T, N> g = load_pack<N>(grad, i);
+      if (mode == BufferMode::Update) b = load_pack<N>(buffer, i);
 #pragma unroll
-        for (int j = 0; j < kPack; ++j) {
-          float bj = mode == BufferMode::Update ? to_float(b.v[j]) : 0.f;
-          p.v[j] = from_float<T>(sgd_update(to_float(p.v[j]), to_float(g.v[j]), bj, s, mode,
-                                            group.nesterov));
-          b.v[j] = from_float<T>(bj);
-        }
-        *reinterpret_cast<Pack<T>*>(param + i) = p;
-        if (mode != BufferMode::None) *reinterpret_cast<Pack<T>*>(buffer + i) = b;
+      for (int j = 0; j < N; ++j) {
+        float bj = mode == BufferMode::Update ? to_float(b.v[j]) : 0.f;
+        p.v[j] = from_float<T>(
+            sgd_update(to_float(p.v[j]), to_float(g.v[j]), bj, s, mode, group.nesterov));
+        b.v[j] = from_float<T>(bj);
       }
-      tail = chunk.begin + packs * kPack;
-    }
-    for (int64_t i = tail + threadIdx.x; i < chunk.end; i += blockDim.x)
-      update_element(param, grad, buffer, i, s, mode, group.nesterov);
+      store_pack<N>(param, i, p);
+      if (mode != BufferMode::None) store_pack<N>(buffer, i, b);
+    });
   }
 }
 
