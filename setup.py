@@ -15,13 +15,12 @@ def sources(pattern):
 
 
 # ATen's SIMD vectors per capability: the flags a CPU must have, and the compiler's flags.
-CAPABILITIES = {
-    "avx512_bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16"},
-                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                     "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
-    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+_AVX512 = ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+            "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"])
+CAPABILITIES = {  # widest first
+    "avx512_bf16": (_AVX512[0] | {"avx512_bf16"}, _AVX512[1] + ["-mavx512bf16"]),
+    "avx512": _AVX512,
     "avx2": ({"avx2", "fma", "f16c"},
              ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
     "default": (set(), []),

@@ -13,10 +13,12 @@ namespace {
 
 void run_sgd_cuda(const SgdStep& step, at::TensorList params) {
   const c10::cuda::CUDAGuard guard(params[0].device());
+  // LARS norm partials: freed at return, which the stream-ordered caching allocator makes safe.
   const int64_t scratch_floats = sgd_cuda_scratch_floats(step);
   const at::Tensor scratch =
-      at::empty({scratch_floats}, params[0].options().dtype(at::kFloat));
-  C10_CUDA_CHECK(launch_sgd_cuda(step, scratch.data_ptr<float>(),
+      scratch_floats > 0 ? at::empty({scratch_floats}, params[0].options().dtype(at::kFloat))
+                         : at::Tensor();
+  C10_CUDA_CHECK(launch_sgd_cuda(step, scratch.defined() ? scratch.data_ptr<float>() : nullptr,
                                  c10::cuda::getCurrentCUDAStream().stream()));
 }
 
