@@ -14,7 +14,6 @@ def model_and_batch(device):
     return model, torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_scaled_gradients_are_unscaled_in_the_kernel(device):
     model, x, y = model_and_batch(device)
