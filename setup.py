@@ -10,6 +10,9 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
 def sources(pattern):
     return sorted(glob.glob(os.path.join("csrc", "**", pattern), recursive=True))
 
@@ -57,8 +60,9 @@ def extension():
     if with_cuda:
         args["nvcc"] = ["-O3"]
         return CUDAExtension("torch_bigbatch._C", cpp + sources("*_cuda.cpp") + sources("*.cu"),
-                             extra_compile_args=args, extra_link_args=["-fopenmp"])
-    return CppExtension("torch_bigbatch._C", cpp, extra_compile_args=args,
+                             include_dirs=[CSRC], extra_compile_args=args,
+                             extra_link_args=["-fopenmp"])
+    return CppExtension("torch_bigbatch._C", cpp, include_dirs=[CSRC], extra_compile_args=args,
                         extra_link_args=["-fopenmp"])
 
 

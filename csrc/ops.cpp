@@ -16,6 +16,3 @@ TORCH_LIBRARY(torch_bigbatch, m) {
       "bool[] maximize, float[] trust_coefficient, float[] trust_eps, bool[] trust_clip, "
       "Tensor? grad_scale, Tensor? found_inf, bool first_step) -> ()");
 }
-
-// Importing torch_bigbatch._C runs the registrations above; the module itself is empty.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

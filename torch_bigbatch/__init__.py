@@ -1,15 +1,15 @@
 """torch_bigbatch: accurate, fast large-minibatch data-parallel training for PyTorch.
 
 Goyal et al. 2017 and Mikami et al. 2018 as a PyTorch extension: a fused SGD/LARS optimizer
-with the large-batch fixes (this release), and, as they land, the 2D-torus allreduce backend,
-local BatchNorm, large-batch schedules and the torchrun recipe.
+with the large-batch fixes, the "torus" c10d backend (a 2D-torus allreduce, registered on
+import), and, as they land, local BatchNorm, large-batch schedules and the torchrun recipe.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (importing it registers the torch_bigbatch ops)
 from . import ops  # noqa: F401  (fake kernels for torch.compile)
-from . import optim
+from . import distributed, optim
 
 __version__ = "0.1.0"
-__all__ = ["optim"]
+__all__ = ["distributed", "optim"]

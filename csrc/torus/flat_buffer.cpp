@@ -1,0 +1,33 @@
+#include "torus/flat_buffer.h"
+
+namespace torch_bigbatch::torus {
+
+FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple)
+    : tensors_(std::move(tensors)) {
+  int64_t total = 0;
+  for (const auto& tensor : tensors_) total += tensor.numel();
+  int64_t padded = (total + multiple - 1) / multiple * multiple;
+  if (tensors_.size() == 1 && tensors_[0].is_contiguous() && padded == total) {
+    flat = tensors_[0].view(-1);
+    return;
+  }
+  is_copy_ = true;
+  flat = at::empty({padded}, tensors_[0].options());
+  int64_t offset = 0;
+  for (const auto& tensor : tensors_) {
+    flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()).copy_(tensor);
+    offset += tensor.numel();
+  }
+  flat.narrow(0, total, padded - total).zero_();
+}
+
+void FlatBuffer::copy_out() {
+  if (!is_copy_) return;
+  int64_t offset = 0;
+  for (auto& tensor : tensors_) {
+    tensor.copy_(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+    offset += tensor.numel();
+  }
+}
+
+}  // namespace torch_bigbatch::torus

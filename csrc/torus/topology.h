@@ -1,0 +1,34 @@
+// The process groups a torus backend composes, for one device type. The torus moves no bytes
+// itself: Gloo (CPU) or NCCL (CUDA) groups do, and the torus orders their collectives.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <string>
+#include <vector>
+
+namespace torch_bigbatch::torus {
+
+// Rank r of the group sits at column x = r mod X of row y = r div X.
+struct TorusShape {
+  int columns = 1;  // X: ranks per row
+  int rows = 1;     // Y: ranks per column
+  int rank = 0;
+
+  int x() const { return rank % columns; }
+  int y() const { return rank / columns; }
+  std::vector<int> row_ranks() const;
+  std::vector<int> column_ranks() const;
+  std::string describe() const;  // "rank 5 at x=1, y=1 of a 4x4 torus"
+};
+
+// The row has two groups, one per row phase, so that the reduce-scatter of one segment and
+// the allgather of another run at once, and each group sees its collectives in one fixed order.
+struct Engines {
+  c10::intrusive_ptr<c10d::Backend> whole;        // every rank: small and delegated collectives
+  c10::intrusive_ptr<c10d::Backend> row_scatter;  // this rank's row (null when X == 1)
+  c10::intrusive_ptr<c10d::Backend> column;       // this rank's column (null when Y == 1)
+  c10::intrusive_ptr<c10d::Backend> row_gather;   // this rank's row again (null when X == 1)
+};
+
+}  // namespace torch_bigbatch::torus

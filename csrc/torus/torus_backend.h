@@ -1,0 +1,110 @@
+// c10d backend "torus": allreduce is the hierarchical 2D-torus of Mikami et al. 2018
+// (reduce-scatter along the row, allreduce along the column, allgather along the row), composed
+// from Gloo groups for CPU tensors and NCCL groups for CUDA tensors. Every other collective is
+// delegated to the engine's whole-group process group, so DDP and torch.distributed run as is.
+#pragma once
+
+#include "torus/host_pipeline.h"
+#include "torus/topology.h"
+
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+namespace torch_bigbatch::torus {
+
+struct TorusSettings {
+  int64_t segment_bytes = 4 << 20;        // pipelining unit of large buffers
+  int64_t flat_threshold_bytes = 0;       // below this, one allreduce on the whole group
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+class TorusBackend : public c10d::Backend {
+ public:
+  TorusBackend(TorusShape shape, int size, std::optional<Engines> cpu,
+               std::optional<Engines> cuda, TorusSettings settings);
+
+  const std::string getBackendName() const override { return "torus"; }
+  const TorusShape& shape() const { return shape_; }
+  const TorusSettings& settings() const { return settings_; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+
+  // Delegated to the whole group of the tensors' engine.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void abort() override;
+  void shutdown() override;
+
+ private:
+  const Engines& engines_for(c10::DeviceType device, const char* collective) const;
+  c10d::Backend& whole_for(const at::Tensor& tensor, const char* collective) const;
+  c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
+                                                 const c10d::ReduceOp& op,
+                                                 c10d::OpType op_type, const char* collective);
+  c10::Stream side_stream(c10::Device device);
+  void for_each_group(const std::function<void(c10d::Backend&)>& visit);
+
+  const TorusShape shape_;
+  const TorusSettings settings_;
+  std::optional<Engines> cpu_, cuda_;
+  std::unique_ptr<HostPipeline> host_;
+  std::mutex streams_mutex_;
+  std::map<c10::DeviceIndex, c10::Stream> side_streams_;
+};
+
+}  // namespace torch_bigbatch::torus
