@@ -152,7 +152,8 @@ bool HostPipeline::advance() {
   bool moved = false;
   for (int phase = first_phase_; phase <= last_phase_; ++phase) {
     if (!active_[phase]) continue;
-    while (issued_[phase] < segments_.size() && ready_for(segments_[issued_[phase]], phase)) {
+    while (issued_[phase] < segments_.size() && ready_for(segments_[issued_[phase]], phase) &&
+           (phase != first_phase_ || issued_[phase] < kSegmentsInFlight)) {
       issue(segments_[issued_[phase]], phase);
       issued_[phase] += 1;
       moved = true;
@@ -192,7 +193,7 @@ void HostPipeline::issue(Segment& segment, int phase) {
   if (phase == kScatter) {
     // Each row member sends the k-th X-th of its segment to member k: a direct
     // reduce-scatter in one step, reduced locally when the X parts have arrived.
-    segment.received = at::empty_like(part);
+    segment.received = scratch_.take(segment.length, part);
     work = engines_.row_scatter->alltoall_base(segment.received, part, equal_splits,
                                                equal_splits);
   } else if (phase == kColumn) {
@@ -209,7 +210,8 @@ void HostPipeline::issue(Segment& segment, int phase) {
     if (!active_[kColumn]) reduce_received(segment);
     finish_average(segment.chunk, op.op, shape_.columns * shape_.rows);
     // Every row member receives this member's reduced part: an allgather in one step.
-    segment.replicated = segment.chunk.unsqueeze(0).expand({columns, -1}).contiguous();
+    segment.replicated = scratch_.take(segment.length, part);
+    segment.replicated.view({columns, -1}).copy_(segment.chunk.unsqueeze(0).expand({columns, -1}));
     work = engines_.row_gather->alltoall_base(part, segment.replicated, equal_splits,
                                               equal_splits);
   }
@@ -220,14 +222,19 @@ void HostPipeline::issue(Segment& segment, int phase) {
 
 void HostPipeline::reduce_received(Segment& segment) {
   int64_t columns = shape_.columns;
-  segment.chunk = at::empty({segment.length / columns}, segment.received.options());
+  segment.chunk = scratch_.take(segment.length / columns, segment.received);
   reduce_rows(segment.chunk, segment.received.view({columns, -1}), segment.op->op);
-  segment.received = at::Tensor();
+  scratch_.give(std::move(segment.received));
 }
 
 void HostPipeline::retire(Segment& segment) {
   Op& op = *segment.op;
-  if (!active_[kGather]) finish_average(segment.chunk, op.op, shape_.columns * shape_.rows);
+  if (active_[kGather]) {
+    scratch_.give(std::move(segment.chunk));
+    scratch_.give(std::move(segment.replicated));
+  } else {
+    finish_average(segment.chunk, op.op, shape_.columns * shape_.rows);
+  }
   op.segments_left -= 1;
   if (op.segments_left == 0) {
     op.buffer.copy_out();

@@ -7,6 +7,7 @@
 // column. Callbacks of the engines' futures only wake the thread.
 #pragma once
 
+#include "torus/scratch_pool.h"
 #include "torus/topology.h"
 #include "torus/torus_work.h"
 
@@ -37,6 +38,9 @@ class HostPipeline {
 
  private:
   enum Phase { kScatter = 0, kColumn = 1, kGather = 2, kPhases = 3 };
+  // Segments started and not yet retired: two keep the row and the column busy at once; more
+  // only add scratch memory and contention (measured: 4 or 8 are no faster on loopback).
+  static constexpr size_t kSegmentsInFlight = 2;
   struct Op;
   struct Segment;
   struct Shared;  // what the calling thread, the progress thread and callbacks share
@@ -61,6 +65,7 @@ class HostPipeline {
   // Owned by the progress thread.
   std::deque<Segment> segments_;
   std::array<size_t, kPhases> issued_{};  // per phase: segments from the front already issued
+  ScratchPool scratch_;
   std::thread thread_;
 };
 

@@ -19,7 +19,7 @@
 namespace torch_bigbatch::torus {
 
 struct TorusSettings {
-  int64_t segment_bytes = 4 << 20;        // pipelining unit of large buffers
+  int64_t segment_bytes = 16 << 20;       // pipelining unit of large buffers
   int64_t flat_threshold_bytes = 0;       // below this, one allreduce on the whole group
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };

@@ -34,7 +34,7 @@ class TorusOptions:
     """
 
     shape: tuple[int, int] | str | None = None
-    segment_bytes: int = 4 << 20
+    segment_bytes: int = 16 << 20
     flat_threshold_bytes: int = 0
 
     def __post_init__(self):

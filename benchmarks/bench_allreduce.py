@@ -1,0 +1,151 @@
+"""Benchmark allreduce on this machine: backend "torus" against plain "gloo", same run.
+
+P processes (one per rank, OMP_NUM_THREADS=1 as torchrun sets it) join a default process
+group of backend "torus" with the torus shape asked for, and a Gloo group of the same ranks
+(new_group(backend="gloo")). For every size, the two take turns over several rounds; a round
+times `--iters` back-to-back synchronous fp32 allreduces after a barrier, and the table gives
+the median time of one allreduce on rank 0, the bus bandwidth (nccl-tests' convention:
+bytes * 2(p-1)/p / time) and the speedup of torus over Gloo.
+
+Run it from the repository root:
+
+    python benchmarks/bench_allreduce.py                        # 16 ranks as 4x4, 8 as 2x4
+    python benchmarks/bench_allreduce.py --shapes 2x2 --sizes 4K 64M --csv allreduce.csv
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import torch_bigbatch  # noqa: E402
+from torch_bigbatch.distributed import TorusOptions, parse_shape  # noqa: E402
+
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
+CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo"]
+
+
+def parse_size(text):
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = UNITS.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def label(nbytes):
+    for unit in ("G", "M", "K"):
+        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
+            return f"{nbytes // UNITS[unit]} {unit}iB"
+    return f"{nbytes} B"
+
+
+def time_rounds(run, group, iters, rounds):
+    """Median seconds of one call of `run` over `rounds` rounds of `iters` calls."""
+    samples = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def worker(rank, world, shape, sizes, args, port, results):
+    torch.set_num_threads(1)
+    options = TorusOptions(shape=shape, segment_bytes=args.segment_bytes,
+                           flat_threshold_bytes=args.flat_threshold_bytes)
+    dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, pg_options=options,
+                            timeout=datetime.timedelta(seconds=120))
+    gloo = dist.new_group(backend="gloo")
+    torus = dist.group.WORLD
+    rows = []
+    for nbytes in sizes:
+        tensor = torch.ones(nbytes // 4)
+        iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
+        medians = {}
+        for name, group in (("gloo", gloo), ("torus", torus)):
+            dist.all_reduce(tensor, group=group)  # warm-up: connections, allocations
+        for _ in range(args.rounds):  # the backends take turns, so drift hits both
+            for name, group in (("gloo", gloo), ("torus", torus)):
+                seconds = time_rounds(lambda: dist.all_reduce(tensor, group=group), torus,
+                                      iters, 1)
+                medians.setdefault(name, []).append(seconds)
+        for name in ("gloo", "torus"):
+            medians[name] = statistics.median(medians[name])
+        for name in ("gloo", "torus"):
+            seconds = medians[name]
+            bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
+            rows.append({"shape": f"{shape[0]}x{shape[1]}", "ranks": world, "bytes": nbytes,
+                         "backend": name, "ms": seconds * 1e3, "bus_gb_per_s": bus,
+                         "speedup_vs_gloo": medians["gloo"] / seconds})
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def run_shape(shape, sizes, args, port):
+    world = shape[0] * shape[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=worker, args=(rank, world, shape, sizes, args, port,
+                                                      results)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    rows = results.get()
+    for process in processes:
+        process.join()
+    return rows
+
+
+def print_table(rows):
+    print(f"\n{rows[0]['ranks']} ranks as {rows[0]['shape']} (fp32 allreduce, median ms)")
+    print(f"{'size':>9} | {'gloo ms':>9} | {'torus ms':>9} | {'speedup':>7} | "
+          f"{'gloo bus GB/s':>13} | {'torus bus GB/s':>14}")
+    by_size = {}
+    for row in rows:
+        by_size.setdefault(row["bytes"], {})[row["backend"]] = row
+    for nbytes, pair in by_size.items():
+        gloo, torus = pair["gloo"], pair["torus"]
+        print(f"{label(nbytes):>9} | {gloo['ms']:9.2f} | {torus['ms']:9.2f} | "
+              f"{torus['speedup_vs_gloo']:6.2f}x | {gloo['bus_gb_per_s']:13.3f} | "
+              f"{torus['bus_gb_per_s']:14.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["4x4", "2x4"], help='"XxY" each')
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 4K 1M 64M")
+    parser.add_argument("--iters", type=int, default=20, help="allreduces per round (fewer "
+                        "for large sizes: at most 64 MiB moved per round)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--segment-bytes", type=parse_size, default=TorusOptions.segment_bytes)
+    parser.add_argument("--flat-threshold-bytes", type=parse_size,
+                        default=TorusOptions.flat_threshold_bytes)
+    parser.add_argument("--port", type=int, default=29655)
+    parser.add_argument("--csv", help="also write the rows to this CSV file")
+    args = parser.parse_args()
+    sizes = [parse_size(size) for size in args.sizes]
+    all_rows = []
+    for index, spec in enumerate(args.shapes):
+        rows = run_shape(parse_shape(spec), sizes, args, args.port + index)
+        print_table(rows)
+        all_rows += rows
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(all_rows)
+
+
+if __name__ == "__main__":
+    main()
