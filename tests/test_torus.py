@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
 from torch_bigbatch.distributed import TorusOptions, resolve_shape, torus_shape
 
+from conftest import CUDA, needs_cuda
 from multiprocess import run_ranks
 
 OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
@@ -298,3 +299,21 @@ def test_options_are_checked():
         TorusOptions(segment_bytes=0)
     with pytest.raises(ValueError, match="flat_threshold_bytes"):
         TorusOptions(flat_threshold_bytes=-1)
+
+
+def cuda_world_of_one(rank, world_size, port):
+    init(rank, world_size, port)
+    on_gpu = torch.arange(10.0, device="cuda")
+    dist.all_reduce(on_gpu, op=dist.ReduceOp.AVG)
+    on_cpu = torch.arange(10.0)
+    dist.all_reduce(on_cpu)
+    torch.cuda.synchronize()
+    return on_gpu.cpu().tolist(), on_cpu.tolist()
+
+
+@CUDA
+@needs_cuda
+def test_cuda_and_cpu_tensors_at_world_size_one():
+    """One GPU: NCCL runs one rank, so this is the CUDA test a one-GPU machine can run."""
+    on_gpu, on_cpu = run_ranks(cuda_world_of_one, 1)[0]
+    assert on_gpu == on_cpu == [float(i) for i in range(10)]
