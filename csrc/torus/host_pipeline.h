@@ -39,7 +39,7 @@ class HostPipeline {
  private:
   enum Phase { kScatter = 0, kColumn = 1, kGather = 2, kPhases = 3 };
   // Segments started and not yet retired: two keep the row and the column busy at once; more
-  // only add scratch memory and contention (measured: 4 or 8 are no faster on loopback).
+  // only add scratch memory and contention (measured on loopback: 4 was no faster than 2).
   static constexpr size_t kSegmentsInFlight = 2;
   struct Op;
   struct Segment;
