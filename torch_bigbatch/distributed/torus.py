@@ -70,7 +70,7 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
                 f"group size {size}")
         return columns, rows
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if 1 < local < size and size % local == 0:
+    if 1 < local <= size and size % local == 0:
         return local, size // local
     columns = max(d for d in range(1, math.isqrt(size) + 1) if size % d == 0)
     return columns, size // columns
