@@ -1,9 +1,11 @@
 #include "torus/flat_buffer.h"
 
+#include <algorithm>
+
 namespace torch_bigbatch::torus {
 
 FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple)
-    : tensors_(std::move(tensors)) {
+    : tensors_(std::move(tensors)), multiple_(multiple) {
   int64_t total = 0;
   for (const auto& tensor : tensors_) total += tensor.numel();
   int64_t padded = (total + multiple - 1) / multiple * multiple;
@@ -19,6 +21,16 @@ FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple)
     offset += tensor.numel();
   }
   flat.narrow(0, total, padded - total).zero_();
+}
+
+std::vector<std::pair<int64_t, int64_t>> FlatBuffer::segments(int64_t segment_bytes) const {
+  int64_t per_segment = std::max<int64_t>(segment_bytes / flat.element_size(), 1);
+  per_segment = std::max<int64_t>(per_segment / multiple_, 1) * multiple_;
+  std::vector<std::pair<int64_t, int64_t>> result;
+  for (int64_t begin = 0; begin < flat.numel(); begin += per_segment)
+    result.emplace_back(begin, std::min(per_segment, flat.numel() - begin));
+  if (result.empty()) result.emplace_back(0, 0);  // an empty tensor still completes
+  return result;
 }
 
 void FlatBuffer::copy_out() {

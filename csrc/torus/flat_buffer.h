@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
 #include <vector>
 
 namespace torch_bigbatch::torus {
@@ -17,10 +18,15 @@ class FlatBuffer {
 
   void copy_out();  // the result back into the tensors, when `flat` is a copy
 
+  // (begin, length) of the pipelining segments of `flat`: about segment_bytes each, and a
+  // whole number of elements per row member (lengths are multiples of `multiple`).
+  std::vector<std::pair<int64_t, int64_t>> segments(int64_t segment_bytes) const;
+
   at::Tensor flat;
 
  private:
   std::vector<at::Tensor> tensors_;
+  int64_t multiple_ = 1;
   bool is_copy_ = false;
 };
 

@@ -8,6 +8,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <tuple>
 #include <stdexcept>
 
 namespace torch_bigbatch::torus {
@@ -79,21 +80,15 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   task->op = op;
   task->deadline = Clock::now() + timeout_;
 
-  // Segments hold a whole number of elements per row member.
-  const auto& flat = task->buffer.flat;
-  int64_t per_segment = std::max<int64_t>(segment_bytes_ / flat.element_size(), 1);
-  per_segment = std::max<int64_t>(per_segment / shape_.columns, 1) * shape_.columns;
-  int64_t total = flat.numel();
-  task->segments_left = std::max<int64_t>((total + per_segment - 1) / per_segment, 1);
-
+  auto spans = task->buffer.segments(segment_bytes_);
+  task->segments_left = static_cast<int64_t>(spans.size());
   std::vector<Segment> segments;
-  for (int64_t i = 0; i < task->segments_left; ++i) {
+  for (size_t i = 0; i < spans.size(); ++i) {
     Segment segment;
     segment.op = task;
-    segment.index = i;
+    segment.index = static_cast<int64_t>(i);
     segment.count = task->segments_left;
-    segment.begin = i * per_segment;
-    segment.length = std::min(per_segment, total - segment.begin);
+    std::tie(segment.begin, segment.length) = spans[i];
     segments.push_back(std::move(segment));
   }
   {

@@ -7,7 +7,6 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <algorithm>
 
 namespace torch_bigbatch::torus {
 namespace {
@@ -61,16 +60,12 @@ c10::intrusive_ptr<c10d::Work> stream_allreduce(const TorusShape& shape, const E
   FlatBuffer buffer(inputs, columns);
   at::Tensor chunk = columns > 1 ? at::empty({buffer.flat.numel() / columns}, buffer.flat.options())
                                  : buffer.flat;
-  int64_t per_segment = std::max<int64_t>(segment_bytes / buffer.flat.element_size(), 1);
-  per_segment = std::max<int64_t>(per_segment / columns, 1) * columns;
-
   struct Segment {
     at::Tensor part, chunk;
     c10::intrusive_ptr<c10d::Work> scatter, column;
   };
   std::vector<Segment> segments;
-  for (int64_t begin = 0; begin < buffer.flat.numel(); begin += per_segment) {
-    int64_t length = std::min(per_segment, buffer.flat.numel() - begin);
+  for (auto [begin, length] : buffer.segments(segment_bytes)) {
     segments.push_back({buffer.flat.narrow(0, begin, length),
                         chunk.narrow(0, begin / columns, length / columns), {}, {}});
   }

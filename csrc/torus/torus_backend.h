@@ -31,7 +31,6 @@ class TorusBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "torus"; }
   const TorusShape& shape() const { return shape_; }
-  const TorusSettings& settings() const { return settings_; }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;

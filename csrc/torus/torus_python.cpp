@@ -43,12 +43,7 @@ void bind_torus(py::module& m) {
       .def_property_readonly("shape",
                              [](const TorusBackend& self) {
                                return std::make_pair(self.shape().columns, self.shape().rows);
-                             })
-      .def_property_readonly("segment_bytes",
-                             [](const TorusBackend& self) { return self.settings().segment_bytes; })
-      .def_property_readonly(
-          "flat_threshold_bytes",
-          [](const TorusBackend& self) { return self.settings().flat_threshold_bytes; });
+                             });
 }
 
 }  // namespace torch_bigbatch::torus
