@@ -7,11 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__CUDACC__)
-#define BB_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define BB_HOST_DEVICE inline
-#endif
+#include "common/portable.h"
 
 namespace torch_bigbatch {
 

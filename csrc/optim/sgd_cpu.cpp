@@ -2,12 +2,11 @@
 // each chunk updated with ATen's SIMD vectors (float math for every storage type).
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
 
+#include "common/cpu_vectors.h"
 #include "sgd_op.h"
 
 namespace torch_bigbatch::optim {
@@ -15,35 +14,6 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 16384;  // elements per work item of the parallel loop
-
-// Up to 2 * Vec::size() elements of any storage type as two float vectors, and back. Forced
-// inline: as calls, they cost the loop 60% of its speed.
-C10_ALWAYS_INLINE void load_floats(const float* src, int64_t count, Vec& lo, Vec& hi) {
-  lo = Vec::loadu(src, std::min<int64_t>(count, Vec::size()));
-  hi = count > Vec::size() ? Vec::loadu(src + Vec::size(), count - Vec::size()) : Vec(0.f);
-}
-C10_ALWAYS_INLINE void store_floats(float* dst, int64_t count, const Vec& lo, const Vec& hi) {
-  lo.store(dst, std::min<int64_t>(count, Vec::size()));
-  if (count > Vec::size()) hi.store(dst + Vec::size(), count - Vec::size());
-}
-template <typename T>
-C10_ALWAYS_INLINE void load_floats(const T* src, int64_t count, Vec& lo, Vec& hi) {
-  std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src, count));
-}
-template <typename T>
-C10_ALWAYS_INLINE void store_floats(T* dst, int64_t count, const Vec& lo, const Vec& hi) {
-  at::vec::convert_from_float<T>(lo, hi).store(dst, count);
-}
-
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// One instruction for 32 values (round to nearest even, as ATen's integer sequence does):
-// bf16 steps then run as fast as fp16 ones.
-template <>
-C10_ALWAYS_INLINE void store_floats(at::BFloat16* dst, int64_t count, const Vec& lo, const Vec& hi) {
-  const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-  at::vec::Vectorized<at::BFloat16>(packed).store(dst, count);
-}
-#endif
 
 SgdScalars<Vec> broadcast(const SgdScalars<float>& s) {
   return {Vec(s.grad_factor), Vec(s.weight_decay), Vec(s.trust),   Vec(s.buffer_decay),
@@ -61,12 +31,12 @@ void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScala
   for (int64_t i = begin; i < end; i += kStep) {
     const int64_t count = std::min(kStep, end - i);
     Vec p[2], g[2], b[2] = {Vec(0.f), Vec(0.f)};
-    load_floats(param + i, count, p[0], p[1]);
-    load_floats(grad + i, count, g[0], g[1]);
-    if (kMode == BufferMode::Update) load_floats(buffer + i, count, b[0], b[1]);
+    load_pair(param + i, count, p[0], p[1]);
+    load_pair(grad + i, count, g[0], g[1]);
+    if (kMode == BufferMode::Update) load_pair(buffer + i, count, b[0], b[1]);
     for (int k = 0; k < 2; ++k) p[k] = sgd_update(p[k], g[k], b[k], s, kMode, kNesterov);
-    store_floats(param + i, count, p[0], p[1]);
-    if (kMode != BufferMode::None) store_floats(buffer + i, count, b[0], b[1]);
+    store_pair(param + i, count, p[0], p[1]);
+    if (kMode != BufferMode::None) store_pair(buffer + i, count, b[0], b[1]);
   }
 }
 
@@ -92,8 +62,8 @@ std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t e
   for (int64_t i = begin; i < end; i += kStep) {
     const int64_t count = std::min(kStep, end - i);
     Vec p[2], g[2];
-    load_floats(static_cast<const T*>(t.param) + i, count, p[0], p[1]);
-    load_floats(static_cast<const T*>(t.grad) + i, count, g[0], g[1]);
+    load_pair(static_cast<const T*>(t.param) + i, count, p[0], p[1]);
+    load_pair(static_cast<const T*>(t.grad) + i, count, g[0], g[1]);
     for (int k = 0; k < 2; ++k) {
       pp = at::vec::fmadd(p[k], p[k], pp);
       gg = at::vec::fmadd(g[k], g[k], gg);
@@ -158,6 +128,7 @@ void run_sgd_cpu(const SgdStep& step, at::TensorList) {
     case ElementType::Float32: return run_sgd_cpu_typed<float>(step);
     case ElementType::Float16: return run_sgd_cpu_typed<at::Half>(step);
     case ElementType::BFloat16: return run_sgd_cpu_typed<at::BFloat16>(step);
+    case ElementType::Float64: break;  // make_sgd_step refuses it
   }
 }
 

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/cuda_kernels.cuh"
 #include "sgd_cuda.h"
 
 namespace torch_bigbatch::optim {
@@ -44,42 +45,6 @@ struct LaunchArgs {
   BufferMode mode;
 };
 static_assert(sizeof(LaunchArgs) <= 32764, "kernel parameters are limited to 32764 bytes");
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// N consecutive elements, loaded and stored as one access (N * sizeof(T) bytes, aligned).
-template <typename T, int N>
-struct alignas(N * sizeof(T)) Pack {
-  T v[N];
-};
-template <int N, typename T>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* data, int64_t i) {
-  return *reinterpret_cast<const Pack<T, N>*>(data + i);
-}
-template <int N, typename T>
-__device__ __forceinline__ void store_pack(T* data, int64_t i, const Pack<T, N>& pack) {
-  *reinterpret_cast<Pack<T, N>*>(data + i) = pack;
-}
-
-// Sum over the block; every thread gets the result. `shared` holds one float per warp.
-__device__ float block_sum(float x, float* shared) {
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read from the previous call
-  if (lane == 0) shared[warp] = x;
-  __syncthreads();
-  x = lane < blockDim.x / 32 ? shared[lane] : 0.f;
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
 
 struct Chunk {
   int tensor;
@@ -128,7 +93,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
       const Pack<T, N> p = load_pack<N>(param, i), g = load_pack<N>(grad, i);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const float pj = to_float(p.v[j]), gj = to_float(g.v[j]);
+        const float pj = to_acc(p.v[j]), gj = to_acc(g.v[j]);
         pp += pj * pj;
         gg += gj * gj;
       }
@@ -192,19 +157,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
       if (mode == BufferMode::Update) b = load_pack<N>(buffer, i);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        float bj = mode == BufferMode::Update ? to_float(b.v[j]) : 0.f;
-        p.v[j] = from_float<T>(
-            sgd_update(to_float(p.v[j]), to_float(g.v[j]), bj, s, mode, group.nesterov));
-        b.v[j] = from_float<T>(bj);
+        float bj = mode == BufferMode::Update ? to_acc(b.v[j]) : 0.f;
+        p.v[j] = from_acc<T>(
+            sgd_update(to_acc(p.v[j]), to_acc(g.v[j]), bj, s, mode, group.nesterov));
+        b.v[j] = from_acc<T>(bj);
       }
       store_pack<N>(param, i, p);
       if (mode != BufferMode::None) store_pack<N>(buffer, i, b);
     });
   }
-}
-
-bool is_aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 template <typename T>
@@ -265,16 +226,15 @@ int64_t sgd_cuda_scratch_floats(const SgdStep& step) {
 }
 
 cudaError_t launch_sgd_cuda(const SgdStep& step, float* scratch, cudaStream_t stream) {
-  int device = 0, multiprocessors = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess)
-    error = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  int multiprocessors = 0;
+  const cudaError_t error = current_multiprocessors(&multiprocessors);
   if (error != cudaSuccess) return error;
   switch (step.dtype) {
     case ElementType::Float32: return launch_typed<float>(step, scratch, multiprocessors, stream);
     case ElementType::Float16: return launch_typed<__half>(step, scratch, multiprocessors, stream);
     case ElementType::BFloat16:
       return launch_typed<__nv_bfloat16>(step, scratch, multiprocessors, stream);
+    case ElementType::Float64: break;  // make_sgd_step refuses it
   }
   return cudaErrorInvalidValue;
 }

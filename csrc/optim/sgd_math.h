@@ -7,8 +7,6 @@
 
 namespace torch_bigbatch::optim {
 
-enum class ElementType : int { Float32, Float16, BFloat16 };
-
 // One parameter group, named as torch.optim.SGD names its hyperparameters, plus LARS.
 struct SgdGroup {
   float lr = 0.f;
