@@ -15,4 +15,17 @@ TORCH_LIBRARY(torch_bigbatch, m) {
       "float[] momentum_scale, float[] dampening, float[] weight_decay, bool[] nesterov, "
       "bool[] maximize, float[] trust_coefficient, float[] trust_eps, bool[] trust_clip, "
       "Tensor? grad_scale, Tensor? found_inf, bool first_step) -> ()");
+
+  // Local (ghost) BatchNorm, training: the batch is split into groups of group_size samples
+  // (a tail of one joins the group before), each normalized by its own statistics. Returns
+  // the output and each group's mean and 1/sqrt(var + eps), [groups, C] in float (double for
+  // double input); moves the running statistics, if given, towards the groups' averages.
+  m.def(
+      "local_batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, int group_size, float momentum, float eps) "
+      "-> (Tensor, Tensor, Tensor)");
+  // Its gradients: (grad_input, grad_weight, grad_bias), the last two in mean's dtype.
+  m.def(
+      "local_batch_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor mean, "
+      "Tensor invstd, int group_size) -> (Tensor, Tensor, Tensor)");
 }

@@ -1,0 +1,135 @@
+#pragma once
+// One pass of local (ghost) BatchNorm as raw pointers: what the ATen glue hands to the CPU and
+// CUDA kernels, and the per-(group, channel) math both share. Torch-free.
+//
+// The input is viewed as [N, C, S] (S: the product of the spatial sizes). Samples are split
+// into consecutive groups of group_size; a tail of one sample joins the group before it (a
+// group of one sample has no variance). Both passes run the same four steps:
+//   1. per (sample, channel): two sums over the S values
+//        forward   sum(d), sum(d^2)       with d = x - K[g, c], K the group's first value
+//        backward  sum(dy), sum(dy * d)   with d = x - mean[g, c]
+//   2. per (group, channel): the sums of its samples give the group's statistics (forward) or
+//      gradient sums (backward), and the coefficients of step 4
+//   3. per channel: the running statistics (forward) or grad_weight and grad_bias (backward)
+//   4. per element: y = a x + c (forward), dx = a dy + b x + c (backward)
+// Shifting by K keeps the one-pass variance exact enough in float: the sums are of values of
+// the size of the group's spread, not of its mean.
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/portable.h"
+
+namespace torch_bigbatch::batchnorm {
+
+struct BnLayout {
+  int64_t batch = 0, channels = 0, spatial = 0;  // N, C, S
+  bool channels_last = false;  // memory order [N, S, C] rather than [N, C, S]
+  int64_t group_size = 0;      // samples per group
+  int64_t groups = 0;          // group_count(batch, group_size)
+
+  BB_HOST_DEVICE int64_t group_of(int64_t n) const {
+    const int64_t g = n / group_size;
+    return g < groups ? g : groups - 1;
+  }
+  BB_HOST_DEVICE int64_t group_begin(int64_t g) const { return g * group_size; }
+  BB_HOST_DEVICE int64_t group_end(int64_t g) const {
+    return g == groups - 1 ? batch : (g + 1) * group_size;
+  }
+  BB_HOST_DEVICE int64_t index(int64_t n, int64_t c, int64_t s) const {
+    return channels_last ? (n * spatial + s) * channels + c : (n * channels + c) * spatial + s;
+  }
+};
+
+// Groups of group_size samples; a tail of one sample joins the last full group.
+BB_HOST_DEVICE int64_t group_count(int64_t batch, int64_t group_size) {
+  const int64_t groups = batch / group_size + (batch % group_size >= 2 ? 1 : 0);
+  return groups > 0 ? groups : 1;
+}
+
+// Every tensor of a pass. "acc" is the accumulation type: double for double inputs, else float.
+struct BnPass {
+  BnLayout layout;
+  ElementType dtype = ElementType::Float32;
+  bool backward = false;
+  const void* input = nullptr;        // x
+  const void* grad_output = nullptr;  // dy (backward), laid out like x
+  void* result = nullptr;             // y (forward) or dx (backward), laid out like x
+  const void* weight = nullptr;       // [C] acc, or null for 1
+  const void* bias = nullptr;         // [C] acc, or null for 0 (forward)
+  void* mean = nullptr;               // [G, C] acc: written by the forward, read by the backward
+  void* invstd = nullptr;             // [G, C] acc: 1 / sqrt(biased variance + eps)
+  void* running_mean = nullptr;       // [C] acc, or null (forward)
+  void* running_var = nullptr;        // [C] acc, or null (forward)
+  void* grad_weight = nullptr;        // [C] acc (backward)
+  void* grad_bias = nullptr;          // [C] acc (backward)
+  double momentum = 0.1, eps = 1e-5;
+  // Scratch, acc: step 1's sums [N, C, 2], step 2's per-group values for step 3 [G, C, 2]
+  // and step 4's coefficients [3, G, C] (a, b, c).
+  void* sample_sums = nullptr;
+  void* group_values = nullptr;
+  void* coefficients = nullptr;
+};
+
+// Step 2 of one (group, channel) from the sums of its samples over `count` values.
+// Forward: the statistics, the values step 3 averages (mean, unbiased variance) and y = a x + c.
+template <typename A>
+BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shift, A sum,
+                                  A sum_squares, A count) {
+  const A centered_mean = sum / count;
+  A variance = sum_squares / count - centered_mean * centered_mean;
+  variance = variance > A(0) ? variance : A(0);
+  const A mean = shift + centered_mean;
+  const A invstd = A(1) / sqrt(variance + A(p.eps));
+  const A weight = p.weight != nullptr ? static_cast<const A*>(p.weight)[c] : A(1);
+  const A bias = p.bias != nullptr ? static_cast<const A*>(p.bias)[c] : A(0);
+  static_cast<A*>(p.mean)[gc] = mean;
+  static_cast<A*>(p.invstd)[gc] = invstd;
+  A* values = static_cast<A*>(p.group_values) + 2 * gc;
+  values[0] = mean;
+  values[1] = variance * count / (count - A(1));
+  const int64_t table = p.layout.groups * p.layout.channels;
+  A* coefficients = static_cast<A*>(p.coefficients);
+  const A scale = weight * invstd;
+  coefficients[gc] = scale;
+  coefficients[2 * table + gc] = bias - mean * scale;
+}
+
+// Backward, from sum(dy) and sum(dy (x - mean)): the parts of grad_bias and grad_weight, and
+//   dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean))) = a dy + b x + c.
+template <typename A>
+BB_HOST_DEVICE void group_backward(const BnPass& p, int64_t gc, int64_t c, A sum_dy, A sum_dy_xmu,
+                                   A count) {
+  const A mean = static_cast<const A*>(p.mean)[gc];
+  const A invstd = static_cast<const A*>(p.invstd)[gc];
+  const A weight = p.weight != nullptr ? static_cast<const A*>(p.weight)[c] : A(1);
+  A* values = static_cast<A*>(p.group_values) + 2 * gc;
+  values[0] = sum_dy;
+  values[1] = sum_dy_xmu * invstd;
+  const A a = weight * invstd;
+  const A projection = sum_dy_xmu / count * invstd * invstd;
+  const int64_t table = p.layout.groups * p.layout.channels;
+  A* coefficients = static_cast<A*>(p.coefficients);
+  coefficients[gc] = a;
+  coefficients[table + gc] = -a * projection;
+  coefficients[2 * table + gc] = a * (mean * projection - sum_dy / count);
+}
+
+// Step 3 of channel c from the sums over groups of its two group values.
+template <typename A>
+BB_HOST_DEVICE void channel_step(const BnPass& p, int64_t c, A first, A second) {
+  if (p.backward) {
+    static_cast<A*>(p.grad_bias)[c] = first;
+    static_cast<A*>(p.grad_weight)[c] = second;
+  } else if (p.running_mean != nullptr) {
+    // The average over groups of the group means and unbiased variances, as nn.BatchNorm
+    // updates with its one batch.
+    const A momentum = A(p.momentum), groups = A(p.layout.groups);
+    A& running_mean = static_cast<A*>(p.running_mean)[c];
+    A& running_var = static_cast<A*>(p.running_var)[c];
+    running_mean = (A(1) - momentum) * running_mean + momentum * (first / groups);
+    running_var = (A(1) - momentum) * running_var + momentum * (second / groups);
+  }
+}
+
+}  // namespace torch_bigbatch::batchnorm

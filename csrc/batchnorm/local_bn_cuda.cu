@@ -1,0 +1,269 @@
+// CUDA kernels of local BatchNorm: the four steps of local_bn.h, one launch each.
+//   1. a warp per (sample, channel) row ([N, C, S] memory), or a block per (sample, 32
+//      channels) walking the rows of [N, S, C] memory: sums of the sample, no atomics
+//   2. a warp per (group, channel): the group's sums, statistics and coefficients
+//   3. a thread per channel: running statistics, or grad_weight and grad_bias
+//   4. a grid-stride elementwise loop with 16-byte accesses where the shape allows
+// Every sum is in a fixed order, so results are deterministic.
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "batchnorm/local_bn_cuda.h"
+#include "common/cuda_kernels.cuh"
+
+namespace torch_bigbatch::batchnorm {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChannelTile = 32;  // channels of one block in channels-last step 1
+constexpr int kBlocksPerMultiprocessor = 8;
+
+// Elements per 16-byte access.
+template <typename T>
+constexpr int kPackWidth = 16 / sizeof(T);
+
+template <int W>
+using Width = std::integral_constant<int, W>;
+
+// The (u, d) of step 1 for one element: forward u = d = x - center, backward u = dy.
+template <bool kBackward, typename A>
+__device__ __forceinline__ void accumulate(A x, A dy, A center, A& q1, A& q2) {
+  const A d = x - center;
+  const A u = kBackward ? dy : d;
+  q1 += u;
+  q2 += u * d;
+}
+
+// The value step 1 subtracts for (group, channel): the group's first value (forward) or its mean.
+template <bool kBackward, typename T>
+__device__ __forceinline__ acc_t<T> center_of(const BnPass& p, int64_t g, int64_t c) {
+  const BnLayout& l = p.layout;
+  if (kBackward) return static_cast<const acc_t<T>*>(p.mean)[g * l.channels + c];
+  return to_acc(static_cast<const T*>(p.input)[l.index(l.group_begin(g), c, 0)]);
+}
+
+// Step 1, [N, C, S]: warp w sums the contiguous row w = n * C + c.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, bool packed) {
+  using A = acc_t<T>;
+  constexpr int W = kPackWidth<T>;
+  const BnLayout& l = p.layout;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= l.batch * l.channels) return;  // whole warps
+  const int64_t c = row % l.channels;
+  const A center = center_of<kBackward, T>(p, l.group_of(row / l.channels), c);
+  const T* x = static_cast<const T*>(p.input) + row * l.spatial;
+  const T* dy = kBackward ? static_cast<const T*>(p.grad_output) + row * l.spatial : nullptr;
+  A q1 = 0, q2 = 0;
+  auto visit = [&](int64_t i, auto width) {
+    constexpr int N = decltype(width)::value;
+    const Pack<T, N> xs = load_pack<N>(x, i);
+    Pack<T, N> dys;
+    if constexpr (kBackward) dys = load_pack<N>(dy, i);
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      accumulate<kBackward>(to_acc(xs.v[j]), kBackward ? to_acc(dys.v[j]) : A(0), center, q1, q2);
+  };
+  int64_t tail = 0;
+  if (packed) {
+    const int64_t packs = l.spatial / W;
+#pragma unroll 4
+    for (int64_t k = lane; k < packs; k += 32) visit(k * W, Width<W>());
+    tail = packs * W;
+  }
+#pragma unroll 4
+  for (int64_t i = tail + lane; i < l.spatial; i += 32) visit(i, Width<1>());
+  q1 = warp_sum(q1);
+  q2 = warp_sum(q2);
+  if (lane == 0) {
+    A* sums = static_cast<A*>(p.sample_sums) + 2 * row;
+    sums[0] = q1;
+    sums[1] = q2;
+  }
+}
+
+// Step 1, [N, S, C]: block (n, tile) has a thread per (channel of the tile, row lane); the
+// warp's 32 channels are contiguous in memory, the block's 8 warps split the S rows.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPass p) {
+  using A = acc_t<T>;
+  __shared__ A partial[2][kWarps][kChannelTile + 1];
+  const BnLayout& l = p.layout;
+  const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
+  const int64_t n = blockIdx.x / tiles;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t c = blockIdx.x % tiles * kChannelTile + lane;
+  A q1 = 0, q2 = 0;
+  if (c < l.channels) {
+    const A center = center_of<kBackward, T>(p, l.group_of(n), c);
+    const T* x = static_cast<const T*>(p.input);
+    const T* dy = static_cast<const T*>(p.grad_output);
+#pragma unroll 4
+    for (int64_t s = warp; s < l.spatial; s += kWarps) {
+      const int64_t at = l.index(n, c, s);
+      accumulate<kBackward>(to_acc(x[at]), kBackward ? to_acc(dy[at]) : A(0), center, q1, q2);
+    }
+  }
+  partial[0][warp][lane] = q1;
+  partial[1][warp][lane] = q2;
+  __syncthreads();
+  if (warp == 0 && c < l.channels) {
+    for (int w = 1; w < kWarps; ++w) {
+      q1 += partial[0][w][lane];
+      q2 += partial[1][w][lane];
+    }
+    A* sums = static_cast<A*>(p.sample_sums) + 2 * (n * l.channels + c);
+    sums[0] = q1;
+    sums[1] = q2;
+  }
+}
+
+// Step 2: warp w handles (group, channel) w = g * C + c; its lanes split the group's samples.
+template <typename T, bool kBackward>
+__global__ void __launch_bounds__(kThreads) group_step(const BnPass p) {
+  using A = acc_t<T>;
+  const BnLayout& l = p.layout;
+  const int64_t gc = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (gc >= l.groups * l.channels) return;  // whole warps
+  const int64_t g = gc / l.channels, c = gc % l.channels;
+  const A* sums = static_cast<const A*>(p.sample_sums);
+  A q1 = 0, q2 = 0;
+  for (int64_t n = l.group_begin(g) + lane; n < l.group_end(g); n += 32) {
+    q1 += sums[2 * (n * l.channels + c)];
+    q2 += sums[2 * (n * l.channels + c) + 1];
+  }
+  q1 = warp_sum(q1);
+  q2 = warp_sum(q2);
+  if (lane != 0) return;
+  const A count = A((l.group_end(g) - l.group_begin(g)) * l.spatial);
+  if constexpr (kBackward)
+    group_backward<A>(p, gc, c, q1, q2, count);
+  else
+    group_forward<A>(p, gc, c, center_of<false, T>(p, g, c), q1, q2, count);
+}
+
+// Step 3: thread c sums its channel's group values over the groups.
+template <typename A>
+__global__ void __launch_bounds__(kThreads) channel_step(const BnPass p) {
+  const BnLayout& l = p.layout;
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= l.channels) return;
+  const A* values = static_cast<const A*>(p.group_values);
+  A first = 0, second = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    first += values[2 * (g * l.channels + c)];
+    second += values[2 * (g * l.channels + c) + 1];
+  }
+  channel_step<A>(p, c, first, second);
+}
+
+// Step 4: result = a u + b x + c with u = x (forward) or dy (backward), per (group, channel).
+// A pack never crosses a row: packed implies S % W == 0 ([N, C, S]) or C % W == 0 ([N, S, C]).
+template <typename T, bool kBackward, typename Index>
+__global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, bool packed) {
+  using A = acc_t<T>;
+  constexpr int W = kPackWidth<T>;
+  const BnLayout& l = p.layout;
+  const Index spatial = l.spatial, channels = l.channels;
+  const Index numel = Index(l.batch) * channels * spatial;
+  const T* x = static_cast<const T*>(p.input);
+  const T* u_data = kBackward ? static_cast<const T*>(p.grad_output) : x;
+  T* result = static_cast<T*>(p.result);
+  const int64_t table = l.groups * l.channels;
+  const A* a_table = static_cast<const A*>(p.coefficients);
+  const A* b_table = a_table + table;
+  const A* c_table = a_table + 2 * table;
+  auto visit = [&](Index i, auto width) {
+    constexpr int N = decltype(width)::value;
+    Index c, n;
+    if (l.channels_last) {
+      c = i % channels;
+      n = i / (spatial * channels);
+    } else {
+      const Index row = i / spatial;
+      c = row % channels;
+      n = row / channels;
+    }
+    const int64_t base = l.group_of(n) * l.channels + c;
+    const Pack<T, N> u = load_pack<N>(u_data, i);
+    Pack<T, N> xs, out;
+    if constexpr (kBackward) xs = load_pack<N>(x, i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t k = l.channels_last ? base + j : base;
+      A v = a_table[k] * to_acc(u.v[j]) + c_table[k];
+      if constexpr (kBackward) v += b_table[k] * to_acc(xs.v[j]);
+      out.v[j] = from_acc<T>(v);
+    }
+    store_pack<N>(result, i, out);
+  };
+  const Index stride = Index(gridDim.x) * blockDim.x;
+  const Index first = Index(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (packed) {
+    for (Index k = first; k < numel / W; k += stride) visit(k * W, Width<W>());
+  } else {
+    for (Index i = first; i < numel; i += stride) visit(i, Width<1>());
+  }
+}
+
+int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
+
+template <typename T, bool kBackward>
+cudaError_t launch_pass(const BnPass& p, int multiprocessors, cudaStream_t stream) {
+  constexpr int W = kPackWidth<T>;
+  const BnLayout& l = p.layout;
+  const bool aligned = is_aligned(p.input, 16) && is_aligned(p.result, 16) &&
+                       (!kBackward || is_aligned(p.grad_output, 16));
+  const bool packed = aligned && (l.channels_last ? l.channels % W : l.spatial % W) == 0;
+
+  if (l.channels_last) {
+    const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
+    sample_sums_channels_last<T, kBackward><<<l.batch * tiles, kThreads, 0, stream>>>(p);
+  } else {
+    sample_sums_rows<T, kBackward>
+        <<<blocks_for(32 * l.batch * l.channels), kThreads, 0, stream>>>(p, packed);
+  }
+  group_step<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
+  if (kBackward || p.running_mean != nullptr)
+    channel_step<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
+
+  const int64_t numel = l.batch * l.channels * l.spatial;
+  const int64_t blocks = std::min<int64_t>(blocks_for(packed ? numel / W : numel),
+                                           int64_t{multiprocessors} * kBlocksPerMultiprocessor);
+  // 32-bit index math where it cannot overflow: divisions are several times cheaper.
+  if (numel + blocks * kThreads * int64_t{W} < (int64_t{1} << 32))
+    apply_coefficients<T, kBackward, uint32_t><<<blocks, kThreads, 0, stream>>>(p, packed);
+  else
+    apply_coefficients<T, kBackward, int64_t><<<blocks, kThreads, 0, stream>>>(p, packed);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const BnPass& p, int multiprocessors, cudaStream_t stream) {
+  return p.backward ? launch_pass<T, true>(p, multiprocessors, stream)
+                    : launch_pass<T, false>(p, multiprocessors, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_local_bn_cuda(const BnPass& pass, cudaStream_t stream) {
+  int multiprocessors = 0;
+  const cudaError_t error = current_multiprocessors(&multiprocessors);
+  if (error != cudaSuccess) return error;
+  switch (pass.dtype) {
+    case ElementType::Float32: return launch_typed<float>(pass, multiprocessors, stream);
+    case ElementType::Float16: return launch_typed<__half>(pass, multiprocessors, stream);
+    case ElementType::BFloat16: return launch_typed<__nv_bfloat16>(pass, multiprocessors, stream);
+    case ElementType::Float64: return launch_typed<double>(pass, multiprocessors, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace torch_bigbatch::batchnorm

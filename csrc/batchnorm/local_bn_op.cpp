@@ -1,0 +1,160 @@
+#include "batchnorm/local_bn_op.h"
+
+namespace torch_bigbatch::batchnorm {
+namespace {
+
+constexpr const char* kOp = "torch_bigbatch::local_batch_norm: ";
+
+ElementType element_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ElementType::Float32;
+    case at::kHalf: return ElementType::Float16;
+    case at::kBFloat16: return ElementType::BFloat16;
+    case at::kDouble: return ElementType::Float64;
+    default:
+      TORCH_CHECK_TYPE(false, kOp, "the input must be float32, float16, bfloat16 or float64, got ",
+                       t.scalar_type());
+  }
+}
+
+at::ScalarType accumulate_type(const at::Tensor& input) {
+  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The input as the kernels read it: itself when its memory is [N, C, S] (contiguous) or
+// [N, S, C] (channels_last: channels innermost, then the spatial dims in order), else a
+// contiguous copy. Checks what every pass needs.
+std::pair<at::Tensor, BnLayout> as_layout(const at::Tensor& input, int64_t group_size) {
+  TORCH_CHECK(input.layout() == at::kStrided, kOp, "the input must be a dense tensor, got ",
+              input.layout());
+  TORCH_CHECK(input.dim() >= 2, kOp, "the input must have at least 2 dims (N, C, ...), got ",
+              input.sizes());
+  element_type(input);
+  BnLayout layout;
+  layout.batch = input.size(0);
+  layout.channels = input.size(1);
+  layout.spatial = 1;
+  for (int64_t d = 2; d < input.dim(); ++d) layout.spatial *= input.size(d);
+  TORCH_CHECK(group_size >= 2, kOp, "group_size must be at least 2 (a group of one sample has ",
+              "no variance), got ", group_size);
+  TORCH_CHECK(layout.batch >= 2, kOp, "training needs at least 2 samples per group, got a batch ",
+              "of ", layout.batch, " (input of size ", input.sizes(), ")");
+  TORCH_CHECK(layout.channels > 0 && layout.spatial > 0, kOp, "the input has no values per ",
+              "channel (size ", input.sizes(), ")");
+  layout.group_size = group_size;
+  layout.groups = group_count(layout.batch, group_size);
+  if (input.is_contiguous()) return {input, layout};
+  if (input.movedim(1, -1).is_contiguous()) {
+    layout.channels_last = true;
+    return {input, layout};
+  }
+  return {input.contiguous(), layout};
+}
+
+// A per-channel tensor as the kernels read it: contiguous, in `dtype`, or undefined if absent.
+at::Tensor per_channel(const std::optional<at::Tensor>& t, const at::Tensor& input,
+                       int64_t channels, at::ScalarType dtype, const char* name) {
+  if (!t.has_value() || !t->defined()) return {};
+  TORCH_CHECK(t->numel() == channels && t->device() == input.device(), kOp, name, " must have ",
+              channels, " elements (one per channel) on ", input.device(), ", got ", t->sizes(),
+              " on ", t->device());
+  return t->to(dtype).contiguous();
+}
+
+const void* pointer_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+// One acc tensor for the pass's scratch, which must outlive run(pass).
+at::Tensor allocate_scratch(BnPass& pass, const at::Tensor& x) {
+  const int64_t samples = 2 * pass.layout.batch * pass.layout.channels;
+  const int64_t groups = pass.layout.groups * pass.layout.channels;
+  at::Tensor scratch = at::empty({samples + 5 * groups}, x.options().dtype(accumulate_type(x)));
+  pass.sample_sums = scratch.data_ptr();
+  pass.group_values = scratch.narrow(0, samples, 2 * groups).data_ptr();
+  pass.coefficients = scratch.narrow(0, samples + 2 * groups, 3 * groups).data_ptr();
+  return scratch;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_forward(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, int64_t group_size, double momentum,
+    double eps, RunPass run) {
+  auto [x, layout] = as_layout(input, group_size);
+  const at::ScalarType acc = accumulate_type(x);
+  const int64_t channels = layout.channels;
+  const at::Tensor w = per_channel(weight, x, channels, acc, "weight");
+  const at::Tensor b = per_channel(bias, x, channels, acc, "bias");
+  const bool has_running = running_mean.has_value() && running_mean->defined();
+  TORCH_CHECK(has_running == (running_var.has_value() && running_var->defined()), kOp,
+              "running_mean and running_var must be given together");
+  const at::Tensor rm = per_channel(running_mean, x, channels, acc, "running_mean");
+  const at::Tensor rv = per_channel(running_var, x, channels, acc, "running_var");
+
+  at::Tensor output = at::empty_like(x);
+  at::Tensor mean = at::empty({layout.groups, channels}, x.options().dtype(acc));
+  at::Tensor invstd = at::empty_like(mean);
+  BnPass pass;
+  pass.layout = layout;
+  pass.dtype = element_type(x);
+  pass.input = x.data_ptr();
+  pass.result = output.data_ptr();
+  pass.weight = pointer_or_null(w);
+  pass.bias = pointer_or_null(b);
+  pass.mean = mean.data_ptr();
+  pass.invstd = invstd.data_ptr();
+  pass.running_mean = has_running ? rm.data_ptr() : nullptr;
+  pass.running_var = has_running ? rv.data_ptr() : nullptr;
+  pass.momentum = momentum;
+  pass.eps = eps;
+  const at::Tensor scratch = allocate_scratch(pass, x);
+  run(pass, x);
+  // Running statistics in another dtype or memory were updated in a copy: write it back.
+  if (has_running && !rm.is_same(*running_mean)) running_mean->copy_(rm);
+  if (has_running && !rv.is_same(*running_var)) running_var->copy_(rv);
+  return {output, mean, invstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& mean, const at::Tensor& invstd, int64_t group_size, RunPass run) {
+  auto [x, layout] = as_layout(input, group_size);
+  const at::ScalarType acc = accumulate_type(x);
+  TORCH_CHECK(grad_output.sizes() == x.sizes() && grad_output.scalar_type() == x.scalar_type() &&
+                  grad_output.device() == x.device(),
+              kOp, "grad_output (", grad_output.scalar_type(), " ", grad_output.sizes(), " on ",
+              grad_output.device(), ") must match the input (", x.scalar_type(), " ", x.sizes(),
+              " on ", x.device(), ")");
+  for (const at::Tensor* t : {&mean, &invstd})
+    TORCH_CHECK(t->sizes() == at::IntArrayRef({layout.groups, layout.channels}) &&
+                    t->scalar_type() == acc && t->device() == x.device() && t->is_contiguous(),
+                kOp, "mean and invstd must be contiguous ", acc, " tensors of size [",
+                layout.groups, ", ", layout.channels, "] on ", x.device(), " (the forward's), got ",
+                t->scalar_type(), " ", t->sizes(), " on ", t->device());
+  // The kernels walk dy in x's memory order.
+  const at::Tensor dy =
+      grad_output.strides() == x.strides() ? grad_output : at::empty_like(x).copy_(grad_output);
+  const at::Tensor w = per_channel(weight, x, layout.channels, acc, "weight");
+
+  at::Tensor grad_input = at::empty_like(x);
+  at::Tensor grad_weight = at::empty({layout.channels}, x.options().dtype(acc));
+  at::Tensor grad_bias = at::empty_like(grad_weight);
+  BnPass pass;
+  pass.layout = layout;
+  pass.dtype = element_type(x);
+  pass.backward = true;
+  pass.input = x.data_ptr();
+  pass.grad_output = dy.data_ptr();
+  pass.result = grad_input.data_ptr();
+  pass.weight = pointer_or_null(w);
+  pass.mean = mean.data_ptr();
+  pass.invstd = invstd.data_ptr();
+  pass.grad_weight = grad_weight.data_ptr();
+  pass.grad_bias = grad_bias.data_ptr();
+  const at::Tensor scratch = allocate_scratch(pass, x);
+  run(pass, x);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace torch_bigbatch::batchnorm
