@@ -1,0 +1,61 @@
+"""Model surgery for large-batch training: local BatchNorm in place of BatchNorm, and Goyal et
+al.'s zero-initialized last BatchNorm of each residual block."""
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .local_batchnorm import LocalBatchNorm, LocalBatchNorm1d, LocalBatchNorm2d, LocalBatchNorm3d
+
+_LOCAL_OF = ((nn.BatchNorm1d, LocalBatchNorm1d), (nn.BatchNorm2d, LocalBatchNorm2d),
+             (nn.BatchNorm3d, LocalBatchNorm3d), (nn.SyncBatchNorm, LocalBatchNorm))
+
+
+def convert_local_batchnorm(module, group_size=32):
+    """Replaces every BatchNorm1d/2d/3d and SyncBatchNorm in `module` by LocalBatchNorm1d/2d/3d
+    (LocalBatchNorm for SyncBatchNorm) with `group_size`, and returns the converted module.
+
+    The new layers take over the same weight and bias Parameters and the same buffers (so an
+    optimizer built before still holds them), eps, momentum and train/eval mode; like
+    nn.SyncBatchNorm.convert_sync_batchnorm, children are replaced in place and a BatchNorm
+    given as `module` itself is returned converted.
+    """
+    local = next((target for source, target in _LOCAL_OF if isinstance(module, source)), None)
+    if local is None:
+        for name, child in module.named_children():
+            module.add_module(name, convert_local_batchnorm(child, group_size))
+        return module
+    converted = local(module.num_features, group_size, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, device="meta")
+    for name in ("weight", "bias"):
+        setattr(converted, name, getattr(module, name))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(converted, name, getattr(module, name))
+    converted.train(module.training)
+    if hasattr(module, "qconfig"):
+        converted.qconfig = module.qconfig
+    return converted
+
+
+def zero_init_last_bn(model):
+    """Sets gamma = 0 in the last BatchNorm of each residual block, so that every block starts
+    as the identity (Goyal et al. 2017, section 5.1), and returns the names of those layers.
+
+    A residual block is a module with a `downsample` attribute, as torchvision's BasicBlock and
+    Bottleneck and torch_bigbatch.models' blocks have; its last BatchNorm is the last one among
+    its direct children, outside `downsample`. Raises ValueError if the model has no such block.
+    """
+    zeroed, blocks = [], 0
+    for name, block in model.named_modules():
+        if not hasattr(block, "downsample"):
+            continue
+        blocks += 1
+        norms = [(child_name, child) for child_name, child in block.named_children()
+                 if child_name != "downsample" and isinstance(child, _BatchNorm)]
+        if norms and norms[-1][1].weight is not None:
+            child_name, last = norms[-1]
+            nn.init.zeros_(last.weight)
+            zeroed.append(f"{name}.{child_name}" if name else child_name)
+    if blocks == 0:
+        raise ValueError("zero_init_last_bn found no residual block (a module with a "
+                         "`downsample` attribute) in the model")
+    return zeroed

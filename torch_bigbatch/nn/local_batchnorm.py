@@ -1,0 +1,122 @@
+"""Local (ghost) BatchNorm: statistics per group of `group_size` samples of the local batch,
+never across processes (Goyal et al. 2017, section 5.3; Hoffer et al. 2017).
+
+Training splits the N samples of the batch into consecutive groups of group_size (the last
+group takes a tail of one sample, which alone has no variance) and normalizes each group by its
+own biased mean and variance; weight and bias are shared. The running statistics move towards
+the average over groups of the group means and unbiased variances. Evaluation uses the running
+statistics exactly as nn.BatchNorm does. group_size=None normalizes the whole local batch as
+one group: plain per-process BatchNorm.
+
+The statistics of every (group, channel) come from one pass of a fused kernel (CPU or CUDA), not
+from a Python loop over chunks.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class _LocalBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, group_size, momentum, eps):
+        output, mean, invstd = torch.ops.torch_bigbatch.local_batch_norm(
+            input, weight, bias, running_mean, running_var, group_size, momentum, eps)
+        ctx.save_for_backward(input, weight, mean, invstd)
+        ctx.group_size = group_size
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        input, weight, mean, invstd = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias = torch.ops.torch_bigbatch.local_batch_norm_backward(
+            grad_output, input, weight, mean, invstd, ctx.group_size)
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        return (grad_input if needs_input else None,
+                grad_weight.to(weight.dtype) if needs_weight else None,
+                grad_bias.to(ctx.bias_dtype) if needs_bias else None,
+                None, None, None, None, None)
+
+
+def _check_group_size(group_size):
+    if group_size is not None and (isinstance(group_size, bool)
+                                   or not isinstance(group_size, int) or group_size < 2):
+        raise ValueError("group_size must be an integer of at least 2 (a group of one sample has "
+                         f"no variance), or None for the whole batch; got {group_size!r}")
+
+
+def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                     momentum=0.1, eps=1e-5, group_size=32):
+    """F.batch_norm with per-group statistics in training (see the module docstring)."""
+    if not training:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    _check_group_size(group_size)
+    if input.dim() < 2 or input.shape[0] < 2:
+        raise ValueError("local batch norm needs at least 2 samples in training (a group of one "
+                         f"sample has no variance), got input of size {tuple(input.shape)}")
+    size = input.shape[0] if group_size is None else group_size
+    return _LocalBatchNormFunction.apply(input, weight, bias, running_mean, running_var, size,
+                                         momentum, eps)
+
+
+class LocalBatchNorm(_BatchNorm):
+    """nn.BatchNorm whose training statistics are those of groups of `group_size` samples.
+
+    Any input of 2 or more dims (N, C, ...), in contiguous or channels-last memory; fp32, fp16,
+    bf16 or fp64 with fp32 statistics (fp64 for fp64). Parameters, buffers and state-dict keys
+    are nn.BatchNorm's, so its checkpoints load unchanged. This class stands in for
+    nn.SyncBatchNorm; LocalBatchNorm1d/2d/3d check the number of dims as nn.BatchNorm1d/2d/3d do.
+    """
+
+    def __init__(self, num_features, group_size=32, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, device=None, dtype=None):
+        _check_group_size(group_size)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.group_size = group_size
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+    def forward(self, input):
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"{type(self).__name__}({self.num_features}) got an input with "
+                             f"{input.shape[1]} channels (size {tuple(input.shape)})")
+        # nn.BatchNorm's choices of statistics and momentum, unchanged.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else factor
+        use_batch_statistics = self.training or (self.running_mean is None
+                                                 and self.running_var is None)
+        keep_running = not self.training or self.track_running_stats
+        return local_batch_norm(input, self.running_mean if keep_running else None,
+                                self.running_var if keep_running else None, self.weight,
+                                self.bias, use_batch_statistics, factor, self.eps,
+                                self.group_size)
+
+
+class LocalBatchNorm1d(LocalBatchNorm):
+    """LocalBatchNorm for (N, C) or (N, C, L) input, like nn.BatchNorm1d."""
+
+    _check_input_dim = nn.BatchNorm1d._check_input_dim
+
+
+class LocalBatchNorm2d(LocalBatchNorm):
+    """LocalBatchNorm for (N, C, H, W) input, like nn.BatchNorm2d."""
+
+    _check_input_dim = nn.BatchNorm2d._check_input_dim
+
+
+class LocalBatchNorm3d(LocalBatchNorm):
+    """LocalBatchNorm for (N, C, D, H, W) input, like nn.BatchNorm3d."""
+
+    _check_input_dim = nn.BatchNorm3d._check_input_dim
