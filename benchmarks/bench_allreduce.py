@@ -14,7 +14,6 @@ Run it from the repository root:
 """
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -27,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import torch_bigbatch  # noqa: E402
+from common import write_csv  # noqa: E402
 from torch_bigbatch.distributed import TorusOptions, parse_shape  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -141,10 +141,7 @@ def main():
         print_table(rows)
         all_rows += rows
     if args.csv:
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
-            writer.writeheader()
-            writer.writerows(all_rows)
+        write_csv(args.csv, all_rows, CSV_FIELDS)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ Run it from the repository root:
 """
 
 import argparse
-import csv
 import os
-import platform
 import statistics
 
 import torch
-from torch.utils import benchmark
 
 import torch_bigbatch
+from common import device_name, median_ms, pick_devices, write_csv
 
 RESNET50_TENSORS = 161
 RESNET50_NUMEL = 25_557_032
@@ -68,11 +66,6 @@ def make_params(shapes, grads, device, dtype):
     return params
 
 
-def median_ms(stmt, globals_, min_run_time):
-    timer = benchmark.Timer(stmt=stmt, globals=globals_, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
-
 def copy_gb_per_s(device, min_run_time):
     """Device-to-device copy bandwidth, counting the bytes read and written."""
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
@@ -110,17 +103,6 @@ def bench_device(shapes, device, dtype, min_run_time, rounds):
     return rows, copy
 
 
-def device_name(device):
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    if os.path.exists("/proc/cpuinfo"):  # platform.processor() is often empty on Linux
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def print_table(rows, copies):
     header = (f"{'device':<6} {'variant':<15} {'ms/step':>9} {'vs fused':>9} "
               f"{'GB/s':>7} {'% copy':>7}")
@@ -134,13 +116,6 @@ def print_table(rows, copies):
         print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
 
 
-def write_csv(path, rows):
-    with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
@@ -152,14 +127,6 @@ def parse_args():
                         help="the variants take turns this many times")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     return parser.parse_args()
-
-
-def pick_devices(choice):
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available")
-    if choice == "all":
-        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    return [choice]
 
 
 def main():
@@ -182,7 +149,7 @@ def main():
                                                    args.min_run_time, args.rounds)
         rows += device_rows
     if args.csv:
-        write_csv(args.csv, rows)
+        write_csv(args.csv, rows, CSV_FIELDS)
     print_table(rows, copies)
 
 

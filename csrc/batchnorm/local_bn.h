@@ -11,7 +11,8 @@
 //   2. per (group, channel): the sums of its samples give the group's statistics (forward) or
 //      gradient sums (backward), and the coefficients of step 4
 //   3. per channel: the running statistics (forward) or grad_weight and grad_bias (backward)
-//   4. per element: y = a x + c (forward), dx = a dy + b x + c (backward)
+//   4. per element, with v = x - mean[g, c]: y = a v + c (forward), dx = a dy + b v + c
+//      (backward); centering first keeps float exact where |mean| is large against the spread
 // Shifting by K keeps the one-pass variance exact enough in float: the sums are of values of
 // the size of the group's spread, not of its mean.
 
@@ -65,14 +66,15 @@ struct BnPass {
   void* grad_bias = nullptr;          // [C] acc (backward)
   double momentum = 0.1, eps = 1e-5;
   // Scratch, acc: step 1's sums [N, C, 2], step 2's per-group values for step 3 [G, C, 2]
-  // and step 4's coefficients [3, G, C] (a, b, c).
+  // and step 4's coefficients [3, G, C] (a, b, c; the centers are `mean`).
   void* sample_sums = nullptr;
   void* group_values = nullptr;
   void* coefficients = nullptr;
 };
 
 // Step 2 of one (group, channel) from the sums of its samples over `count` values.
-// Forward: the statistics, the values step 3 averages (mean, unbiased variance) and y = a x + c.
+// Forward: the statistics, the values step 3 averages (mean, unbiased variance) and
+// y = a (x - mean) + c.
 template <typename A>
 BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shift, A sum,
                                   A sum_squares, A count) {
@@ -90,17 +92,16 @@ BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shif
   values[1] = variance * count / (count - A(1));
   const int64_t table = p.layout.groups * p.layout.channels;
   A* coefficients = static_cast<A*>(p.coefficients);
-  const A scale = weight * invstd;
-  coefficients[gc] = scale;
-  coefficients[2 * table + gc] = bias - mean * scale;
+  coefficients[gc] = weight * invstd;
+  coefficients[2 * table + gc] = bias;
 }
 
 // Backward, from sum(dy) and sum(dy (x - mean)): the parts of grad_bias and grad_weight, and
-//   dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean))) = a dy + b x + c.
+//   dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))
+//      = a dy + b (x - mean) + c.
 template <typename A>
 BB_HOST_DEVICE void group_backward(const BnPass& p, int64_t gc, int64_t c, A sum_dy, A sum_dy_xmu,
                                    A count) {
-  const A mean = static_cast<const A*>(p.mean)[gc];
   const A invstd = static_cast<const A*>(p.invstd)[gc];
   const A weight = p.weight != nullptr ? static_cast<const A*>(p.weight)[c] : A(1);
   A* values = static_cast<A*>(p.group_values) + 2 * gc;
@@ -112,7 +113,7 @@ BB_HOST_DEVICE void group_backward(const BnPass& p, int64_t gc, int64_t c, A sum
   A* coefficients = static_cast<A*>(p.coefficients);
   coefficients[gc] = a;
   coefficients[table + gc] = -a * projection;
-  coefficients[2 * table + gc] = a * (mean * projection - sum_dy / count);
+  coefficients[2 * table + gc] = -a * (sum_dy / count);
 }
 
 // Step 3 of channel c from the sums over groups of its two group values.

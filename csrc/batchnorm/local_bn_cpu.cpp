@@ -146,7 +146,7 @@ void group_and_channel_steps(const BnPass& p) {
   });
 }
 
-// Step 4: result = a * u + b * x + c per (group, channel), u = x (forward) or dy (backward).
+// Step 4, with v = x - mean per (group, channel): result = a v + c (forward) or a dy + b v + c.
 template <typename T, bool kBackward>
 void apply_coefficients(const BnPass& p) {
   using A = cpu_acc_t<T>;
@@ -154,51 +154,59 @@ void apply_coefficients(const BnPass& p) {
   constexpr int64_t kStep = 2 * Vec::size();
   const BnLayout& L = p.layout;
   const T* input = static_cast<const T*>(p.input);
-  const T* u_data = kBackward ? static_cast<const T*>(p.grad_output) : input;
+  const T* grad_output = static_cast<const T*>(p.grad_output);
   T* result = static_cast<T*>(p.result);
   const int64_t table = L.groups * L.channels;
   const A* a_table = static_cast<const A*>(p.coefficients);
   const A* b_table = a_table + table;
   const A* c_table = a_table + 2 * table;
+  const A* mean_table = static_cast<const A*>(p.mean);
   // Rows of contiguous values that share coefficients ([N, C, S]) or a group ([N, S, C]).
   const int64_t rows = L.channels_last ? L.batch * L.spatial : L.batch * L.channels;
   const int64_t length = L.channels_last ? L.channels : L.spatial;
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / length), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
-      const T* u = u_data + row * length;
       const T* x = input + row * length;
+      const T* dy = kBackward ? grad_output + row * length : nullptr;
       T* out = result + row * length;
       if (L.channels_last) {
         const int64_t base = L.group_of(row / L.spatial) * L.channels;
         for (int64_t i = 0; i < length; i += kStep) {
           const int64_t count = std::min(kStep, length - i);
-          Vec uv[2], xv[2], a[2], b[2], c[2];
-          load_pair(u + i, count, uv[0], uv[1]);
+          Vec v[2], mean[2], a[2], c[2], g2[2], b[2];
+          load_pair(x + i, count, v[0], v[1]);
+          load_pair(mean_table + base + i, count, mean[0], mean[1]);
           load_pair(a_table + base + i, count, a[0], a[1]);
           load_pair(c_table + base + i, count, c[0], c[1]);
-          if (kBackward) {
-            load_pair(x + i, count, xv[0], xv[1]);
+          if constexpr (kBackward) {
+            load_pair(dy + i, count, g2[0], g2[1]);
             load_pair(b_table + base + i, count, b[0], b[1]);
           }
           for (int h = 0; h < 2; ++h) {
-            uv[h] = at::vec::fmadd(a[h], uv[h], c[h]);
-            if (kBackward) uv[h] = at::vec::fmadd(b[h], xv[h], uv[h]);
+            v[h] = v[h] - mean[h];
+            if constexpr (kBackward)
+              v[h] = at::vec::fmadd(a[h], g2[h], at::vec::fmadd(b[h], v[h], c[h]));
+            else
+              v[h] = at::vec::fmadd(a[h], v[h], c[h]);
           }
-          store_pair(out + i, count, uv[0], uv[1]);
+          store_pair(out + i, count, v[0], v[1]);
         }
       } else {
         const int64_t gc = L.group_of(row / L.channels) * L.channels + row % L.channels;
-        const Vec a(a_table[gc]), b(b_table[gc]), c(c_table[gc]);
+        const Vec a(a_table[gc]), b(b_table[gc]), c(c_table[gc]), mean(mean_table[gc]);
         for (int64_t i = 0; i < length; i += kStep) {
           const int64_t count = std::min(kStep, length - i);
-          Vec uv[2], xv[2];
-          load_pair(u + i, count, uv[0], uv[1]);
-          if (kBackward) load_pair(x + i, count, xv[0], xv[1]);
+          Vec v[2], g2[2];
+          load_pair(x + i, count, v[0], v[1]);
+          if constexpr (kBackward) load_pair(dy + i, count, g2[0], g2[1]);
           for (int h = 0; h < 2; ++h) {
-            uv[h] = at::vec::fmadd(a, uv[h], c);
-            if (kBackward) uv[h] = at::vec::fmadd(b, xv[h], uv[h]);
+            v[h] = v[h] - mean;
+            if constexpr (kBackward)
+              v[h] = at::vec::fmadd(a, g2[h], at::vec::fmadd(b, v[h], c));
+            else
+              v[h] = at::vec::fmadd(a, v[h], c);
           }
-          store_pair(out + i, count, uv[0], uv[1]);
+          store_pair(out + i, count, v[0], v[1]);
         }
       }
     }

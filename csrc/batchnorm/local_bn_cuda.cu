@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPa
 
 // Step 2: warp w handles (group, channel) w = g * C + c; its lanes split the group's samples.
 template <typename T, bool kBackward>
-__global__ void __launch_bounds__(kThreads) group_step(const BnPass p) {
+__global__ void __launch_bounds__(kThreads) group_kernel(const BnPass p) {
   using A = acc_t<T>;
   const BnLayout& l = p.layout;
   const int64_t gc = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) group_step(const BnPass p) {
 
 // Step 3: thread c sums its channel's group values over the groups.
 template <typename A>
-__global__ void __launch_bounds__(kThreads) channel_step(const BnPass p) {
+__global__ void __launch_bounds__(kThreads) channel_kernel(const BnPass p) {
   const BnLayout& l = p.layout;
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= l.channels) return;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) channel_step(const BnPass p) {
   channel_step<A>(p, c, first, second);
 }
 
-// Step 4: result = a u + b x + c with u = x (forward) or dy (backward), per (group, channel).
+// Step 4, with v = x - mean per (group, channel): result = a v + c (forward) or a dy + b v + c.
 // A pack never crosses a row: packed implies S % W == 0 ([N, C, S]) or C % W == 0 ([N, S, C]).
 template <typename T, bool kBackward, typename Index>
 __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, bool packed) {
@@ -174,12 +174,13 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
   const Index spatial = l.spatial, channels = l.channels;
   const Index numel = Index(l.batch) * channels * spatial;
   const T* x = static_cast<const T*>(p.input);
-  const T* u_data = kBackward ? static_cast<const T*>(p.grad_output) : x;
+  const T* dy = static_cast<const T*>(p.grad_output);
   T* result = static_cast<T*>(p.result);
   const int64_t table = l.groups * l.channels;
   const A* a_table = static_cast<const A*>(p.coefficients);
   const A* b_table = a_table + table;
   const A* c_table = a_table + 2 * table;
+  const A* mean_table = static_cast<const A*>(p.mean);
   auto visit = [&](Index i, auto width) {
     constexpr int N = decltype(width)::value;
     Index c, n;
@@ -192,15 +193,19 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
       n = row / channels;
     }
     const int64_t base = l.group_of(n) * l.channels + c;
-    const Pack<T, N> u = load_pack<N>(u_data, i);
-    Pack<T, N> xs, out;
-    if constexpr (kBackward) xs = load_pack<N>(x, i);
+    const Pack<T, N> xs = load_pack<N>(x, i);
+    Pack<T, N> dys, out;
+    if constexpr (kBackward) dys = load_pack<N>(dy, i);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int64_t k = l.channels_last ? base + j : base;
-      A v = a_table[k] * to_acc(u.v[j]) + c_table[k];
-      if constexpr (kBackward) v += b_table[k] * to_acc(xs.v[j]);
-      out.v[j] = from_acc<T>(v);
+      const A v = to_acc(xs.v[j]) - mean_table[k];
+      A r;
+      if constexpr (kBackward)
+        r = a_table[k] * to_acc(dys.v[j]) + b_table[k] * v + c_table[k];
+      else
+        r = a_table[k] * v + c_table[k];
+      out.v[j] = from_acc<T>(r);
     }
     store_pack<N>(result, i, out);
   };
@@ -230,9 +235,9 @@ cudaError_t launch_pass(const BnPass& p, int multiprocessors, cudaStream_t strea
     sample_sums_rows<T, kBackward>
         <<<blocks_for(32 * l.batch * l.channels), kThreads, 0, stream>>>(p, packed);
   }
-  group_step<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
+  group_kernel<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
   if (kBackward || p.running_mean != nullptr)
-    channel_step<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
+    channel_kernel<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
 
   const int64_t numel = l.batch * l.channels * l.spatial;
   const int64_t blocks = std::min<int64_t>(blocks_for(packed ? numel / W : numel),

@@ -1,0 +1,41 @@
+"""What the benchmarks share: timing, the device's name, device choice and CSV output."""
+
+import csv
+import os
+import platform
+
+import torch
+from torch.utils import benchmark
+
+
+def median_ms(stmt, globals_, min_run_time):
+    """Median milliseconds of `stmt` (torch.utils.benchmark, which synchronizes CUDA)."""
+    timer = benchmark.Timer(stmt=stmt, globals=globals_, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    if os.path.exists("/proc/cpuinfo"):  # platform.processor() is often empty on Linux
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def pick_devices(choice):
+    """"cpu", "cuda" (an error without CUDA) or "all": CPU, and CUDA when available."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    if choice == "all":
+        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [choice]
+
+
+def write_csv(path, rows, fields):
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)

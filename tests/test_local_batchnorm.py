@@ -1,0 +1,347 @@
+"""torch_bigbatch.nn.LocalBatchNorm against nn.functional.batch_norm applied group by group
+(the trusted oracle, in float64), and against nn.BatchNorm where they must agree."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_bigbatch as bb
+from conftest import DEVICES, assert_relative_close
+
+LOCAL_OF = {2: bb.nn.LocalBatchNorm1d, 3: bb.nn.LocalBatchNorm1d, 4: bb.nn.LocalBatchNorm2d,
+            5: bb.nn.LocalBatchNorm3d}
+NATIVE_OF = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def group_bounds(batch, group_size):
+    """Groups of group_size consecutive samples; a tail of one sample joins the group before."""
+    size = batch if group_size is None else group_size
+    starts = list(range(0, batch, size))
+    if len(starts) > 1 and batch - starts[-1] == 1:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [batch]))
+
+
+def reference(x, weight, bias, group_size, eps=1e-5, dtype=torch.float64):
+    """Output, and the groups' average mean and unbiased variance, computed in `dtype`."""
+    x = x.to(dtype)
+    weight, bias = (None if t is None else t.to(dtype) for t in (weight, bias))
+    dims = [0] + list(range(2, x.dim()))
+    groups = [x[a:b] for a, b in group_bounds(x.shape[0], group_size)]
+    output = torch.cat([F.batch_norm(g, None, None, weight, bias, True, 0.0, eps) for g in groups])
+    mean = torch.stack([g.mean(dims) for g in groups]).mean(0)
+    var = torch.stack([g.var(dims, unbiased=True) for g in groups]).mean(0)
+    return output, mean, var
+
+
+def reference_gradients(x, weight, bias, dy, group_size, dtype=torch.float64):
+    """Output and (grad_input, grad_weight, grad_bias) of the reference in `dtype`."""
+    leaves = [t.detach().cpu().to(dtype).requires_grad_() for t in (x, weight, bias)]
+    output, _, _ = reference(*leaves, group_size, dtype=dtype)
+    output.backward(dy.cpu().to(dtype))
+    return output.detach(), [t.grad for t in leaves]
+
+
+def memory_format(x, channels_last):
+    if not channels_last or x.dim() not in (4, 5):
+        return x.contiguous()
+    return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+def check_against_reference(device, shape, group_size, dtype, channels_last, param_dtype=None,
+                            momentum=0.1, steps=2, tolerance=None):
+    """Trains a LocalBatchNorm for `steps` steps on random batches (mean 3, spread 2) and compares
+    outputs, the three gradients and the running statistics with the reference."""
+    param_dtype = param_dtype or (dtype if dtype == torch.float64 else torch.float32)
+    low_precision = dtype in (torch.float16, torch.bfloat16)
+    tolerance = tolerance or (2e-2 if low_precision else 1e-5 if dtype == torch.float32 else 1e-10)
+    generator = torch.Generator().manual_seed(0)
+    channels = shape[1]
+    layer = LOCAL_OF[len(shape)](channels, group_size=group_size, momentum=momentum)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
+        layer.bias.copy_(torch.randn(channels, generator=generator))
+    layer = layer.to(device, param_dtype)
+    expected_mean = torch.zeros(channels, dtype=torch.float64)
+    expected_var = torch.ones(channels, dtype=torch.float64)
+    for step in range(steps):
+        x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 2 + 3).to(dtype)
+        dy = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+        x = memory_format(x.to(device), channels_last).requires_grad_()
+        y = layer(x)
+        y.backward(memory_format(dy.to(device), channels_last))
+
+        y_ref, grads_ref = reference_gradients(x, layer.weight, layer.bias, dy, group_size)
+        _, mean, var = reference(x.detach().cpu(), None, None, group_size)
+        # F.batch_norm's own error in the input's dtype bounds what any kernel can reach there
+        # (it nears 1e-5 in float32 on groups of two samples).
+        y_low, grads_low = reference_gradients(x, layer.weight, layer.bias, dy, group_size, dtype)
+        factor = 1 / (step + 1) if momentum is None else momentum
+        expected_mean = (1 - factor) * expected_mean + factor * mean.detach()
+        expected_var = (1 - factor) * expected_var + factor * var.detach()
+
+        assert y.dtype == dtype and x.grad.dtype == dtype
+        assert layer.weight.grad.dtype == param_dtype
+        if channels_last:  # the output keeps the input's memory format
+            assert y.stride() == x.stride() and x.grad.stride() == x.stride()
+        for actual, expected, low, what in [
+                (y, y_ref, y_low, "output"), (x.grad, grads_ref[0], grads_low[0], "grad_input"),
+                (layer.weight.grad, grads_ref[1], grads_low[1], "grad_weight"),
+                (layer.bias.grad, grads_ref[2], grads_low[2], "grad_bias")]:
+            scale = expected.abs().max()
+            native_error = ((low.double() - expected).abs().max() / scale).item()
+            assert_relative_close(actual.cpu(), expected, max(tolerance, 2 * native_error), what)
+        stats_tolerance = tolerance if param_dtype != torch.bfloat16 else 1e-2
+        assert_relative_close(layer.running_mean.cpu(), expected_mean, stats_tolerance, "running_mean")
+        assert_relative_close(layer.running_var.cpu(), expected_var, stats_tolerance, "running_var")
+        layer.zero_grad()
+    assert layer.num_batches_tracked.item() == steps
+
+
+# Batch sizes that group_size 4 divides, that leave a tail of 1 (joins the last group) and a tail
+# of 2 or 3 (a group of its own); spatial sizes with and without vector tails.
+SHAPES_AND_GROUPS = [
+    ((12, 5, 4, 4), 4), ((13, 5, 3, 5), 4), ((14, 6, 7, 7), 4), ((11, 3, 9, 2), 4),
+    ((40, 70, 6, 6), 32), ((9, 33, 2, 3), None), ((64, 16, 1, 1), 32),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,group_size", SHAPES_AND_GROUPS, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_batch_norm_group_by_group(device, shape, group_size, channels_last, dtype):
+    check_against_reference(device, shape, group_size, dtype, channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(10, 6), (10, 6, 17), (9, 4, 3, 5, 6)], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_1d_and_3d(device, shape, channels_last):
+    check_against_reference(device, shape, 4, torch.float32, channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.float16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float64, torch.float64)], ids=str)
+def test_dtypes(device, dtype, param_dtype):
+    """fp16 input with fp32 parameters (as under autocast); a bf16 model, whose running
+    statistics are bf16; fp64 throughout."""
+    check_against_reference(device, (14, 6, 5, 5), 4, dtype, True, param_dtype=param_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cumulative_moving_average(device):
+    """momentum=None: the running statistics are the plain average over steps, as nn.BatchNorm."""
+    check_against_reference(device, (12, 5, 4, 4), 4, torch.float32, False, momentum=None, steps=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    """Neither [N, C, ...] nor channels-last memory: the kernels read a contiguous copy."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(12, 5, 6, 4, generator=generator).to(device)
+    x = base.transpose(2, 3)
+    assert not x.is_contiguous() and not x.movedim(1, -1).is_contiguous()
+    layer = bb.nn.LocalBatchNorm2d(5, group_size=4).to(device)
+    expected, _, _ = reference(x.cpu(), None, None, 4)
+    assert_relative_close(layer(x).cpu(), expected, 1e-5, "output")
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("shape,group_size", [((6, 3, 2, 3), 4), ((7, 2, 3, 1), 3)], ids=str)
+def test_gradcheck(shape, group_size, channels_last):
+    """Analytical gradients against finite differences in float64 (groups of 4 + 2, 3 + 4)."""
+    generator = torch.Generator().manual_seed(0)
+    x = memory_format(torch.randn(shape, generator=generator, dtype=torch.float64),
+                      channels_last).requires_grad_()
+    weight = torch.rand(shape[1], generator=generator, dtype=torch.float64).add_(0.5).requires_grad_()
+    bias = torch.randn(shape[1], generator=generator, dtype=torch.float64).requires_grad_()
+
+    def function(x, weight, bias):
+        return bb.nn.local_batch_norm(x, None, None, weight, bias, training=True,
+                                      group_size=group_size)
+
+    assert torch.autograd.gradcheck(function, (x, weight, bias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_whole_batch_equals_batchnorm2d(device, momentum, channels_last):
+    """group_size=None is plain per-process BatchNorm: nn.BatchNorm2d in training."""
+    torch.manual_seed(0)
+    native = nn.BatchNorm2d(7, momentum=momentum).to(device)
+    with torch.no_grad():
+        native.weight.uniform_(0.5, 1.5)
+        native.bias.normal_()
+    local = bb.nn.LocalBatchNorm2d(7, group_size=None, momentum=momentum).to(device)
+    local.load_state_dict(native.state_dict())
+    for _ in range(3):
+        x = memory_format(torch.randn(10, 7, 5, 3, device=device) * 2 + 1, channels_last)
+        dy = torch.randn_like(x)
+        x_native, x_local = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_native, y_local = native(x_native), local(x_local)
+        y_native.backward(dy)
+        y_local.backward(dy)
+        assert_relative_close(y_local, y_native, 1e-5, "output")
+        assert_relative_close(x_local.grad, x_native.grad, 1e-5, "grad_input")
+        assert_relative_close(local.weight.grad, native.weight.grad, 1e-5, "grad_weight")
+        assert_relative_close(local.bias.grad, native.bias.grad, 1e-5, "grad_bias")
+        for name in ("running_mean", "running_var"):
+            assert_relative_close(getattr(local, name), getattr(native, name), 1e-5, name)
+        assert torch.equal(local.num_batches_tracked, native.num_batches_tracked)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eval_equals_batchnorm2d(device):
+    """Evaluation normalizes with the running statistics exactly as nn.BatchNorm2d, even for a
+    batch of one sample."""
+    local = bb.nn.LocalBatchNorm2d(4, group_size=2).to(device)
+    for _ in range(3):
+        local(torch.randn(8, 4, 3, 3, device=device) * 3 + 2)
+    native = nn.BatchNorm2d(4).to(device)
+    native.load_state_dict(local.state_dict())
+    local.eval()
+    native.eval()
+    for batch in (1, 5):
+        x = torch.randn(batch, 4, 3, 3, device=device)
+        assert torch.equal(local(x), native(x))
+
+
+def test_state_dict_keys_are_batchnorms():
+    for local, native in [(bb.nn.LocalBatchNorm1d(3), nn.BatchNorm1d(3)),
+                          (bb.nn.LocalBatchNorm2d(3), nn.BatchNorm2d(3)),
+                          (bb.nn.LocalBatchNorm3d(3, affine=False), nn.BatchNorm3d(3, affine=False)),
+                          (bb.nn.LocalBatchNorm(3, track_running_stats=False),
+                           nn.SyncBatchNorm(3, track_running_stats=False))]:
+        assert list(local.state_dict()) == list(native.state_dict())
+        local.load_state_dict(native.state_dict())  # strict
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_affine_or_running_stats(device):
+    """affine=False has no weight or bias; track_running_stats=False normalizes by the groups'
+    statistics in eval too, as nn.BatchNorm does by the batch's."""
+    x = torch.randn(8, 3, 4, 4, device=device, requires_grad=True)
+    layer = bb.nn.LocalBatchNorm2d(3, group_size=4, affine=False, track_running_stats=False)
+    layer.to(device)
+    expected, _, _ = reference(x.detach().cpu(), None, None, 4)
+    for mode in (layer.train, layer.eval):
+        mode()
+        y = layer(x)
+        assert_relative_close(y.cpu(), expected, 1e-5, "output")
+    y.sum().backward()
+    assert x.grad.abs().max() < 1e-4  # the sum of a normalized group does not depend on x
+
+
+class Block(nn.Module):
+    """A torchvision-style residual block: the last BN of its main branch, then downsample."""
+
+    def __init__(self, channels, out_channels, norm=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, out_channels, 3, padding=1, bias=False)
+        self.bn1 = norm(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = norm(out_channels)
+        self.downsample = None if channels == out_channels else nn.Sequential(
+            nn.Conv2d(channels, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + identity)
+
+
+def small_resnet():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         Block(8, 8), Block(8, 16, norm=nn.SyncBatchNorm),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 6),
+                         nn.BatchNorm1d(6))
+
+
+def test_convert_keeps_eval_outputs_and_parameters():
+    model = small_resnet()
+    for _ in range(3):  # give the running statistics non-default values
+        model(torch.randn(16, 3, 8, 8))
+    model.eval()
+    x = torch.randn(5, 3, 8, 8)
+    expected = model(x)
+    parameters = list(model.parameters())
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    converted = bb.nn.convert_local_batchnorm(model, group_size=8)
+    assert converted is model
+    assert torch.equal(converted(x), expected)
+    assert all(a is b for a, b in zip(converted.parameters(), parameters))
+    local = [m for m in converted.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert [type(m) for m in local] == [
+        bb.nn.LocalBatchNorm2d, bb.nn.LocalBatchNorm2d, bb.nn.LocalBatchNorm2d,
+        bb.nn.LocalBatchNorm, bb.nn.LocalBatchNorm, bb.nn.LocalBatchNorm2d, bb.nn.LocalBatchNorm1d]
+    for old, new in zip(norms, local):
+        assert new.group_size == 8 and not new.training
+        assert (new.eps, new.momentum) == (old.eps, old.momentum)
+        assert new.running_mean is old.running_mean and new.weight is old.weight
+    converted.train()
+    converted(torch.randn(16, 3, 8, 8)).sum().backward()  # trains, in groups of 8
+
+
+def test_convert_a_batchnorm_itself():
+    native = nn.BatchNorm3d(4, eps=1e-3, momentum=0.2, affine=False)
+    local = bb.nn.convert_local_batchnorm(native, group_size=None)
+    assert type(local) is bb.nn.LocalBatchNorm3d and local.group_size is None
+    assert (local.eps, local.momentum, local.weight) == (1e-3, 0.2, None)
+
+
+def test_zero_init_last_bn():
+    model = small_resnet()
+    names = bb.nn.zero_init_last_bn(model)
+    assert names == ["3.bn2", "4.bn2"]
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            assert (module.weight == 0).all().item() == (name in names), name
+    with pytest.raises(ValueError, match="no residual block"):
+        bb.nn.zero_init_last_bn(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    layer = bb.nn.LocalBatchNorm2d(4, group_size=2).to(device)
+    with pytest.raises(ValueError, match="expected 4D input"):
+        layer(torch.randn(4, 4, 3, device=device))
+    with pytest.raises(ValueError, match="4 channels|got an input with 5 channels"):
+        layer(torch.randn(4, 5, 3, 3, device=device))
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        layer(torch.randn(1, 4, 3, 3, device=device))
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        bb.nn.local_batch_norm(torch.ones(4, 4, 3, 3, dtype=torch.int64, device=device),
+                               None, None, training=True, group_size=2)
+    for group_size in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="group_size"):
+            bb.nn.LocalBatchNorm2d(4, group_size=group_size)
+    with pytest.raises(RuntimeError, match="group_size must be at least 2"):
+        torch.ops.torch_bigbatch.local_batch_norm(torch.randn(4, 4, device=device), None, None,
+                                                  None, None, 1, 0.1, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must have 4 elements"):
+        torch.ops.torch_bigbatch.local_batch_norm(torch.randn(4, 4, device=device),
+                                                  torch.ones(3, device=device), None, None, None,
+                                                  2, 0.1, 1e-5)
+
+
+def test_compiles():
+    """The fake kernels let torch.compile trace forward and backward into one graph."""
+    layer = bb.nn.LocalBatchNorm2d(6, group_size=4)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(10, 6, 3, 3).to(memory_format=torch.channels_last).requires_grad_()
+    x_eager = x.detach().clone().requires_grad_()
+    y = compiled(x)
+    y.square().sum().backward()
+    reference_layer = bb.nn.LocalBatchNorm2d(6, group_size=4)
+    y_eager = reference_layer(x_eager)
+    y_eager.square().sum().backward()
+    assert torch.equal(y, y_eager) and torch.equal(x.grad, x_eager.grad)
+    assert torch.equal(layer.running_var, reference_layer.running_var)
