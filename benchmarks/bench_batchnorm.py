@@ -15,7 +15,6 @@ Run it from the repository root:
     python benchmarks/bench_batchnorm.py --device cpu --batch 64 --memory-format nchw
 """
 
-import argparse
 import os
 import statistics
 
@@ -24,12 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_bigbatch as bb
-from common import device_name, median_ms, pick_devices, write_csv
+from common import DTYPES, argument_parser, device_name, median_ms, pick_devices, write_csv
 
 # (channels, height = width) of ResNet-50's BatchNorm layers, from the stem to the last stage.
 SHAPES = [(64, 112), (64, 56), (256, 56), (512, 28), (1024, 14), (2048, 7)]
 GROUP_SIZE = 32
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
 CSV_FIELDS = ["device", "dtype", "memory_format", "batch", "channels", "size", "variant",
               "ms_per_step", "vs_batchnorm2d"]
@@ -96,23 +94,11 @@ def print_line(device, memory_format, label, ms):
           f"{ms[OURS]:>8.2f} {ms[OURS] / ms[BASELINE]:>9.2f}x {ms[LOOP] / ms[OURS]:>9.2f}x")
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                        help="all: CPU, and CUDA when available (default)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--memory-format", choices=(*FORMATS, "both"), default="both")
-    parser.add_argument("--batch", type=int, default=256, help="samples per step (default 256)")
-    parser.add_argument("--min-run-time", type=float, default=2.0,
-                        help="seconds of timing per variant and shape, over all rounds")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="the variants take turns this many times")
-    parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
-    return parser.parse_args()
-
-
 def main():
-    args = parse_args()
+    args = argument_parser(__doc__, min_run_time=2.0, rounds=3, extra=[
+        (("--memory-format",), {"choices": (*FORMATS, "both"), "default": "both"}),
+        (("--batch",), {"type": int, "default": 256, "help": "samples per step (default 256)"}),
+    ]).parse_args()
     devices = pick_devices(args.device)
     formats = list(FORMATS) if args.memory_format == "both" else [args.memory_format]
     dtype = DTYPES[args.dtype]

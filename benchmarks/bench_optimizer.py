@@ -15,14 +15,13 @@ Run it from the repository root:
     python benchmarks/bench_optimizer.py --device cuda --dtype bfloat16 --csv results.csv
 """
 
-import argparse
 import os
 import statistics
 
 import torch
 
 import torch_bigbatch
-from common import device_name, median_ms, pick_devices, write_csv
+from common import DTYPES, argument_parser, device_name, median_ms, pick_devices, write_csv
 
 RESNET50_TENSORS = 161
 RESNET50_NUMEL = 25_557_032
@@ -34,7 +33,6 @@ VARIANTS = {
 }
 BASELINE = "torch fused"
 COPY_BYTES = 512 * 2**20
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CSV_FIELDS = ["device", "dtype", "variant", "ms_per_step", "speedup_vs_torch_fused",
               "gb_per_s", "pct_of_copy"]
 
@@ -116,21 +114,8 @@ def print_table(rows, copies):
         print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
-                        help="all: CPU, and CUDA when available (default)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--min-run-time", type=float, default=3.0,
-                        help="seconds of timing per variant (blocked_autorange), over all rounds")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="the variants take turns this many times")
-    parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
-    return parser.parse_args()
-
-
 def main():
-    args = parse_args()
+    args = argument_parser(__doc__, min_run_time=3.0, rounds=5).parse_args()
     devices = pick_devices(args.device)
     shapes = resnet50_shapes()
     numel = sum(torch.Size(shape).numel() for shape in shapes)

@@ -1,11 +1,32 @@
-"""What the benchmarks share: timing, the device's name, device choice and CSV output."""
+"""What the benchmarks share: options, timing, the device's name, device choice and CSV output."""
 
+import argparse
 import csv
 import os
 import platform
 
 import torch
 from torch.utils import benchmark
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def argument_parser(docstring, min_run_time, rounds, extra=()):
+    """The options every device benchmark takes: --device, --dtype, --min-run-time, --rounds
+    and --csv; `extra` adds (flags, options) pairs."""
+    parser = argparse.ArgumentParser(description=docstring.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all",
+                        help="all: CPU, and CUDA when available (default)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    for flags, options in extra:
+        parser.add_argument(*flags, **options)
+    parser.add_argument("--min-run-time", type=float, default=min_run_time,
+                        help="seconds of timing per variant (blocked_autorange), over all rounds")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help="the variants take turns this many times")
+    parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    return parser
 
 
 def median_ms(stmt, globals_, min_run_time):

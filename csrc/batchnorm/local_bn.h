@@ -72,6 +72,20 @@ struct BnPass {
   void* coefficients = nullptr;
 };
 
+// Step 4's coefficients, one [G, C] table each (the centers are the `mean` table).
+template <typename A>
+struct Coefficients {
+  A* a;
+  A* b;
+  A* c;
+};
+template <typename A>
+BB_HOST_DEVICE Coefficients<A> coefficients_of(const BnPass& p) {
+  A* tables = static_cast<A*>(p.coefficients);
+  const int64_t table = p.layout.groups * p.layout.channels;
+  return {tables, tables + table, tables + 2 * table};
+}
+
 // Step 2 of one (group, channel) from the sums of its samples over `count` values.
 // Forward: the statistics, the values step 3 averages (mean, unbiased variance) and
 // y = a (x - mean) + c.
@@ -90,10 +104,9 @@ BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shif
   A* values = static_cast<A*>(p.group_values) + 2 * gc;
   values[0] = mean;
   values[1] = variance * count / (count - A(1));
-  const int64_t table = p.layout.groups * p.layout.channels;
-  A* coefficients = static_cast<A*>(p.coefficients);
-  coefficients[gc] = weight * invstd;
-  coefficients[2 * table + gc] = bias;
+  const Coefficients<A> coefficients = coefficients_of<A>(p);
+  coefficients.a[gc] = weight * invstd;
+  coefficients.c[gc] = bias;
 }
 
 // Backward, from sum(dy) and sum(dy (x - mean)): the parts of grad_bias and grad_weight, and
@@ -109,11 +122,10 @@ BB_HOST_DEVICE void group_backward(const BnPass& p, int64_t gc, int64_t c, A sum
   values[1] = sum_dy_xmu * invstd;
   const A a = weight * invstd;
   const A projection = sum_dy_xmu / count * invstd * invstd;
-  const int64_t table = p.layout.groups * p.layout.channels;
-  A* coefficients = static_cast<A*>(p.coefficients);
-  coefficients[gc] = a;
-  coefficients[table + gc] = -a * projection;
-  coefficients[2 * table + gc] = -a * (sum_dy / count);
+  const Coefficients<A> coefficients = coefficients_of<A>(p);
+  coefficients.a[gc] = a;
+  coefficients.b[gc] = -a * projection;
+  coefficients.c[gc] = -a * (sum_dy / count);
 }
 
 // Step 3 of channel c from the sums over groups of its two group values.

@@ -14,221 +14,217 @@ namespace {
 // keep float's rounding error near (128 + rows / 128) ulp instead of rows ulp.
 constexpr int64_t kBlockRows = 128;
 
-// Step 1 in [N, C, S] memory: each (sample, channel) row of S values is contiguous.
+// One pass on the CPU: its pointers in their types, and the four steps.
 template <typename T, bool kBackward>
-void sample_sums_rows(const BnPass& p) {
+class CpuPass {
+ public:
+  explicit CpuPass(const BnPass& pass)
+      : p(pass),
+        L(pass.layout),
+        input(static_cast<const T*>(pass.input)),
+        grad_output(static_cast<const T*>(pass.grad_output)),
+        result(static_cast<T*>(pass.result)),
+        mean(static_cast<const A*>(pass.mean)),
+        sums(static_cast<A*>(pass.sample_sums)),
+        coefficients(coefficients_of<A>(pass)) {}
+
+  void run() const {
+    if (L.channels_last)
+      sample_sums_channels_last();
+    else
+      sample_sums_rows();
+    group_and_channel_steps();
+    apply_coefficients();
+  }
+
+ private:
   using A = cpu_acc_t<T>;
   using Vec = AccVec<T>;
-  constexpr int64_t kStep = 2 * Vec::size();
-  const BnLayout& L = p.layout;
-  const T* input = static_cast<const T*>(p.input);
-  const T* grad_output = static_cast<const T*>(p.grad_output);
-  A* sums = static_cast<A*>(p.sample_sums);
-  at::parallel_for(0, L.batch * L.channels, std::max<int64_t>(1, 32768 / L.spatial),
-                   [&](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; ++row) {
-      const int64_t n = row / L.channels, c = row % L.channels, g = L.group_of(n);
-      const A center = kBackward ? static_cast<const A*>(p.mean)[g * L.channels + c]
-                                 : A(input[L.index(L.group_begin(g), c, 0)]);
-      const Vec k(center);
-      const T* x = input + row * L.spatial;
-      const T* dy = kBackward ? grad_output + row * L.spatial : nullptr;
-      Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};  // sums of q1 and q2, lo and hi
-      for (int64_t s = 0; s < L.spatial; s += kStep) {
-        const int64_t count = std::min(kStep, L.spatial - s);
-        Vec d[2];
-        load_pair(x + s, count, d[0], d[1]);
-        d[0] = d[0] - k;
-        d[1] = d[1] - k;
-        if (kBackward) {
-          Vec g2[2];
-          load_pair(dy + s, count, g2[0], g2[1]);  // zeros past count: the products are 0
-          for (int h = 0; h < 2; ++h) {
-            q[h] = q[h] + g2[h];
-            q[2 + h] = at::vec::fmadd(g2[h], d[h], q[2 + h]);
+  static constexpr int64_t kStep = 2 * Vec::size();  // elements per iteration: two vectors
+
+  // Step 1 in [N, C, S] memory: each (sample, channel) row of S values is contiguous.
+  void sample_sums_rows() const {
+    at::parallel_for(0, L.batch * L.channels, std::max<int64_t>(1, 32768 / L.spatial),
+                     [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t n = row / L.channels, c = row % L.channels, g = L.group_of(n);
+        const A center = kBackward ? mean[g * L.channels + c]
+                                   : A(input[L.index(L.group_begin(g), c, 0)]);
+        const Vec k(center);
+        const T* x = input + row * L.spatial;
+        const T* dy = kBackward ? grad_output + row * L.spatial : nullptr;
+        Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};  // sums of q1 and q2, lo and hi
+        for (int64_t s = 0; s < L.spatial; s += kStep) {
+          const int64_t count = std::min(kStep, L.spatial - s);
+          Vec d[2];
+          load_pair(x + s, count, d[0], d[1]);
+          d[0] = d[0] - k;
+          d[1] = d[1] - k;
+          if (kBackward) {
+            Vec g2[2];
+            load_pair(dy + s, count, g2[0], g2[1]);  // zeros past count: the products are 0
+            for (int h = 0; h < 2; ++h) {
+              q[h] = q[h] + g2[h];
+              q[2 + h] = at::vec::fmadd(g2[h], d[h], q[2 + h]);
+            }
+          } else {
+            if (count < kStep) {  // lanes past count hold 0 - center
+              d[0] = Vec::set(Vec(A(0)), d[0], std::min<int64_t>(count, Vec::size()));
+              d[1] = Vec::set(Vec(A(0)), d[1], std::max<int64_t>(count - Vec::size(), 0));
+            }
+            for (int h = 0; h < 2; ++h) {
+              q[h] = q[h] + d[h];
+              q[2 + h] = at::vec::fmadd(d[h], d[h], q[2 + h]);
+            }
+          }
+        }
+        sums[2 * row] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
+        sums[2 * row + 1] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
+      }
+    });
+  }
+
+  // Step 1 in [N, S, C] memory: a task takes one sample and kStep channels, whose values are
+  // contiguous in each of the S rows; the sums stay in registers.
+  void sample_sums_channels_last() const {
+    const int64_t blocks = (L.channels + kStep - 1) / kStep;
+    at::parallel_for(0, L.batch * blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t n = task / blocks, c = task % blocks * kStep, g = L.group_of(n);
+        const int64_t count = std::min(kStep, L.channels - c);
+        Vec k[2];  // past count, k and the values load as 0: their d is 0
+        if (kBackward)
+          load_pair(mean + g * L.channels + c, count, k[0], k[1]);
+        else
+          load_pair(input + L.index(L.group_begin(g), c, 0), count, k[0], k[1]);
+        Vec total[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
+        for (int64_t block = 0; block < L.spatial; block += kBlockRows) {
+          Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
+          for (int64_t s = block; s < std::min(block + kBlockRows, L.spatial); ++s) {
+            const int64_t at = L.index(n, c, s);
+            Vec d[2];
+            load_pair(input + at, count, d[0], d[1]);
+            Vec u[2];  // q1 = sum(u), q2 = sum(u d): u = dy (backward) or d (forward)
+            for (int h = 0; h < 2; ++h) d[h] = d[h] - k[h];
+            if constexpr (kBackward)
+              load_pair(grad_output + at, count, u[0], u[1]);
+            else
+              u[0] = d[0], u[1] = d[1];
+            for (int h = 0; h < 2; ++h) {
+              q[h] = q[h] + u[h];
+              q[2 + h] = at::vec::fmadd(u[h], d[h], q[2 + h]);
+            }
+          }
+          for (int i = 0; i < 4; ++i) total[i] = total[i] + q[i];
+        }
+        alignas(64) A values[4][Vec::size()];
+        for (int i = 0; i < 4; ++i) total[i].store(values[i]);
+        for (int64_t j = 0; j < count; ++j) {
+          const int h = j / Vec::size(), lane = j % Vec::size();
+          sums[2 * (n * L.channels + c + j)] = values[h][lane];
+          sums[2 * (n * L.channels + c + j) + 1] = values[2 + h][lane];
+        }
+      }
+    });
+  }
+
+  // Steps 2 and 3: a task per channel walks its groups, then the channel's totals.
+  void group_and_channel_steps() const {
+    at::parallel_for(0, L.channels, 16, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        A first_total = 0, second_total = 0;
+        for (int64_t g = 0; g < L.groups; ++g) {
+          A q1 = 0, q2 = 0;
+          for (int64_t n = L.group_begin(g); n < L.group_end(g); ++n) {
+            q1 += sums[2 * (n * L.channels + c)];
+            q2 += sums[2 * (n * L.channels + c) + 1];
+          }
+          const int64_t gc = g * L.channels + c;
+          const A count = A((L.group_end(g) - L.group_begin(g)) * L.spatial);
+          if (p.backward)
+            group_backward<A>(p, gc, c, q1, q2, count);
+          else
+            group_forward<A>(p, gc, c, A(input[L.index(L.group_begin(g), c, 0)]), q1, q2, count);
+          first_total += static_cast<const A*>(p.group_values)[2 * gc];
+          second_total += static_cast<const A*>(p.group_values)[2 * gc + 1];
+        }
+        channel_step<A>(p, c, first_total, second_total);
+      }
+    });
+  }
+
+  // Step 4, with v = x - mean per (group, channel): result = a v + c (forward) or a dy + b v + c.
+  void apply_coefficients() const {
+    // Rows of contiguous values that share coefficients ([N, C, S]) or a group ([N, S, C]).
+    const int64_t rows = L.channels_last ? L.batch * L.spatial : L.batch * L.channels;
+    const int64_t length = L.channels_last ? L.channels : L.spatial;
+    const int64_t grain = std::max<int64_t>(1, 32768 / length);
+    at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const T* x = input + row * length;
+        const T* dy = kBackward ? grad_output + row * length : nullptr;
+        T* out = result + row * length;
+        if (L.channels_last) {
+          const int64_t base = L.group_of(row / L.spatial) * L.channels;
+          for (int64_t i = 0; i < length; i += kStep) {
+            const int64_t count = std::min(kStep, length - i);
+            Vec v[2], center[2], a[2], c[2], g2[2], b[2];
+            load_pair(x + i, count, v[0], v[1]);
+            load_pair(mean + base + i, count, center[0], center[1]);
+            load_pair(coefficients.a + base + i, count, a[0], a[1]);
+            load_pair(coefficients.c + base + i, count, c[0], c[1]);
+            if constexpr (kBackward) {
+              load_pair(dy + i, count, g2[0], g2[1]);
+              load_pair(coefficients.b + base + i, count, b[0], b[1]);
+            }
+            for (int h = 0; h < 2; ++h) {
+              v[h] = v[h] - center[h];
+              if constexpr (kBackward)
+                v[h] = at::vec::fmadd(a[h], g2[h], at::vec::fmadd(b[h], v[h], c[h]));
+              else
+                v[h] = at::vec::fmadd(a[h], v[h], c[h]);
+            }
+            store_pair(out + i, count, v[0], v[1]);
           }
         } else {
-          if (count < kStep) {  // lanes past count hold 0 - center
-            d[0] = Vec::set(Vec(A(0)), d[0], std::min<int64_t>(count, Vec::size()));
-            d[1] = Vec::set(Vec(A(0)), d[1], std::max<int64_t>(count - Vec::size(), 0));
-          }
-          for (int h = 0; h < 2; ++h) {
-            q[h] = q[h] + d[h];
-            q[2 + h] = at::vec::fmadd(d[h], d[h], q[2 + h]);
+          const int64_t gc = L.group_of(row / L.channels) * L.channels + row % L.channels;
+          const Vec a(coefficients.a[gc]), b(coefficients.b[gc]), c(coefficients.c[gc]),
+              center(mean[gc]);
+          for (int64_t i = 0; i < length; i += kStep) {
+            const int64_t count = std::min(kStep, length - i);
+            Vec v[2], g2[2];
+            load_pair(x + i, count, v[0], v[1]);
+            if constexpr (kBackward) load_pair(dy + i, count, g2[0], g2[1]);
+            for (int h = 0; h < 2; ++h) {
+              v[h] = v[h] - center;
+              if constexpr (kBackward)
+                v[h] = at::vec::fmadd(a, g2[h], at::vec::fmadd(b, v[h], c));
+              else
+                v[h] = at::vec::fmadd(a, v[h], c);
+            }
+            store_pair(out + i, count, v[0], v[1]);
           }
         }
       }
-      sums[2 * row] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
-      sums[2 * row + 1] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
-    }
-  });
-}
+    });
+  }
 
-// Step 1 in [N, S, C] memory: a task takes one sample and kStep channels, whose values are
-// contiguous in each of the S rows; the sums stay in registers.
-template <typename T, bool kBackward>
-void sample_sums_channels_last(const BnPass& p) {
-  using A = cpu_acc_t<T>;
-  using Vec = AccVec<T>;
-  constexpr int64_t kStep = 2 * Vec::size();
-  const BnLayout& L = p.layout;
-  const T* input = static_cast<const T*>(p.input);
-  const T* grad_output = static_cast<const T*>(p.grad_output);
-  A* sums = static_cast<A*>(p.sample_sums);
-  const int64_t blocks = (L.channels + kStep - 1) / kStep;
-  at::parallel_for(0, L.batch * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t n = task / blocks, c = task % blocks * kStep, g = L.group_of(n);
-      const int64_t count = std::min(kStep, L.channels - c);
-      Vec k[2];  // past count, k and the values load as 0: their d is 0
-      if (kBackward)
-        load_pair(static_cast<const A*>(p.mean) + g * L.channels + c, count, k[0], k[1]);
-      else
-        load_pair(input + L.index(L.group_begin(g), c, 0), count, k[0], k[1]);
-      Vec total[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
-      for (int64_t block = 0; block < L.spatial; block += kBlockRows) {
-        Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
-        for (int64_t s = block; s < std::min(block + kBlockRows, L.spatial); ++s) {
-          const int64_t at = L.index(n, c, s);
-          Vec d[2];
-          load_pair(input + at, count, d[0], d[1]);
-          Vec u[2];  // q1 = sum(u), q2 = sum(u d): u = dy (backward) or d (forward)
-          for (int h = 0; h < 2; ++h) d[h] = d[h] - k[h];
-          if constexpr (kBackward)
-            load_pair(grad_output + at, count, u[0], u[1]);
-          else
-            u[0] = d[0], u[1] = d[1];
-          for (int h = 0; h < 2; ++h) {
-            q[h] = q[h] + u[h];
-            q[2 + h] = at::vec::fmadd(u[h], d[h], q[2 + h]);
-          }
-        }
-        for (int i = 0; i < 4; ++i) total[i] = total[i] + q[i];
-      }
-      alignas(64) A values[4][Vec::size()];
-      for (int i = 0; i < 4; ++i) total[i].store(values[i]);
-      for (int64_t j = 0; j < count; ++j) {
-        const int h = j / Vec::size(), lane = j % Vec::size();
-        sums[2 * (n * L.channels + c + j)] = values[h][lane];
-        sums[2 * (n * L.channels + c + j) + 1] = values[2 + h][lane];
-      }
-    }
-  });
-}
-
-// Steps 2 and 3: a task per channel walks its groups, then the channel's totals.
-template <typename T>
-void group_and_channel_steps(const BnPass& p) {
-  using A = cpu_acc_t<T>;
-  const BnLayout& L = p.layout;
-  const A* sums = static_cast<const A*>(p.sample_sums);
-  const T* input = static_cast<const T*>(p.input);
-  at::parallel_for(0, L.channels, 16, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      A first_total = 0, second_total = 0;
-      for (int64_t g = 0; g < L.groups; ++g) {
-        A q1 = 0, q2 = 0;
-        for (int64_t n = L.group_begin(g); n < L.group_end(g); ++n) {
-          q1 += sums[2 * (n * L.channels + c)];
-          q2 += sums[2 * (n * L.channels + c) + 1];
-        }
-        const int64_t gc = g * L.channels + c;
-        const A count = A((L.group_end(g) - L.group_begin(g)) * L.spatial);
-        if (p.backward)
-          group_backward<A>(p, gc, c, q1, q2, count);
-        else
-          group_forward<A>(p, gc, c, A(input[L.index(L.group_begin(g), c, 0)]), q1, q2, count);
-        first_total += static_cast<const A*>(p.group_values)[2 * gc];
-        second_total += static_cast<const A*>(p.group_values)[2 * gc + 1];
-      }
-      channel_step<A>(p, c, first_total, second_total);
-    }
-  });
-}
-
-// Step 4, with v = x - mean per (group, channel): result = a v + c (forward) or a dy + b v + c.
-template <typename T, bool kBackward>
-void apply_coefficients(const BnPass& p) {
-  using A = cpu_acc_t<T>;
-  using Vec = AccVec<T>;
-  constexpr int64_t kStep = 2 * Vec::size();
-  const BnLayout& L = p.layout;
-  const T* input = static_cast<const T*>(p.input);
-  const T* grad_output = static_cast<const T*>(p.grad_output);
-  T* result = static_cast<T*>(p.result);
-  const int64_t table = L.groups * L.channels;
-  const A* a_table = static_cast<const A*>(p.coefficients);
-  const A* b_table = a_table + table;
-  const A* c_table = a_table + 2 * table;
-  const A* mean_table = static_cast<const A*>(p.mean);
-  // Rows of contiguous values that share coefficients ([N, C, S]) or a group ([N, S, C]).
-  const int64_t rows = L.channels_last ? L.batch * L.spatial : L.batch * L.channels;
-  const int64_t length = L.channels_last ? L.channels : L.spatial;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / length), [&](int64_t first, int64_t last) {
-    for (int64_t row = first; row < last; ++row) {
-      const T* x = input + row * length;
-      const T* dy = kBackward ? grad_output + row * length : nullptr;
-      T* out = result + row * length;
-      if (L.channels_last) {
-        const int64_t base = L.group_of(row / L.spatial) * L.channels;
-        for (int64_t i = 0; i < length; i += kStep) {
-          const int64_t count = std::min(kStep, length - i);
-          Vec v[2], mean[2], a[2], c[2], g2[2], b[2];
-          load_pair(x + i, count, v[0], v[1]);
-          load_pair(mean_table + base + i, count, mean[0], mean[1]);
-          load_pair(a_table + base + i, count, a[0], a[1]);
-          load_pair(c_table + base + i, count, c[0], c[1]);
-          if constexpr (kBackward) {
-            load_pair(dy + i, count, g2[0], g2[1]);
-            load_pair(b_table + base + i, count, b[0], b[1]);
-          }
-          for (int h = 0; h < 2; ++h) {
-            v[h] = v[h] - mean[h];
-            if constexpr (kBackward)
-              v[h] = at::vec::fmadd(a[h], g2[h], at::vec::fmadd(b[h], v[h], c[h]));
-            else
-              v[h] = at::vec::fmadd(a[h], v[h], c[h]);
-          }
-          store_pair(out + i, count, v[0], v[1]);
-        }
-      } else {
-        const int64_t gc = L.group_of(row / L.channels) * L.channels + row % L.channels;
-        const Vec a(a_table[gc]), b(b_table[gc]), c(c_table[gc]), mean(mean_table[gc]);
-        for (int64_t i = 0; i < length; i += kStep) {
-          const int64_t count = std::min(kStep, length - i);
-          Vec v[2], g2[2];
-          load_pair(x + i, count, v[0], v[1]);
-          if constexpr (kBackward) load_pair(dy + i, count, g2[0], g2[1]);
-          for (int h = 0; h < 2; ++h) {
-            v[h] = v[h] - mean;
-            if constexpr (kBackward)
-              v[h] = at::vec::fmadd(a, g2[h], at::vec::fmadd(b, v[h], c));
-            else
-              v[h] = at::vec::fmadd(a, v[h], c);
-          }
-          store_pair(out + i, count, v[0], v[1]);
-        }
-      }
-    }
-  });
-}
-
-template <typename T, bool kBackward>
-void run_pass(const BnPass& p) {
-  if (p.layout.channels_last)
-    sample_sums_channels_last<T, kBackward>(p);
-  else
-    sample_sums_rows<T, kBackward>(p);
-  group_and_channel_steps<T>(p);
-  apply_coefficients<T, kBackward>(p);
-}
+  const BnPass& p;
+  const BnLayout& L;
+  const T* input;
+  const T* grad_output;
+  T* result;
+  const A* mean;
+  A* sums;
+  Coefficients<A> coefficients;
+};
 
 template <typename T>
 void run_typed(const BnPass& p) {
   if (p.backward)
-    run_pass<T, true>(p);
+    CpuPass<T, true>(p).run();
   else
-    run_pass<T, false>(p);
+    CpuPass<T, false>(p).run();
 }
 
 void run_local_bn_cpu(const BnPass& p, const at::Tensor&) {

@@ -176,11 +176,8 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
   const T* x = static_cast<const T*>(p.input);
   const T* dy = static_cast<const T*>(p.grad_output);
   T* result = static_cast<T*>(p.result);
-  const int64_t table = l.groups * l.channels;
-  const A* a_table = static_cast<const A*>(p.coefficients);
-  const A* b_table = a_table + table;
-  const A* c_table = a_table + 2 * table;
-  const A* mean_table = static_cast<const A*>(p.mean);
+  const Coefficients<A> coefficients = coefficients_of<A>(p);
+  const A* mean = static_cast<const A*>(p.mean);
   auto visit = [&](Index i, auto width) {
     constexpr int N = decltype(width)::value;
     Index c, n;
@@ -199,12 +196,12 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int64_t k = l.channels_last ? base + j : base;
-      const A v = to_acc(xs.v[j]) - mean_table[k];
+      const A v = to_acc(xs.v[j]) - mean[k];
       A r;
       if constexpr (kBackward)
-        r = a_table[k] * to_acc(dys.v[j]) + b_table[k] * v + c_table[k];
+        r = coefficients.a[k] * to_acc(dys.v[j]) + coefficients.b[k] * v + coefficients.c[k];
       else
-        r = a_table[k] * v + c_table[k];
+        r = coefficients.a[k] * v + coefficients.c[k];
       out.v[j] = from_acc<T>(r);
     }
     store_pack<N>(result, i, out);
