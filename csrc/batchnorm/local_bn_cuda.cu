@@ -3,7 +3,7 @@
 //      channels) walking the rows of [N, S, C] memory: sums of the sample, no atomics
 //   2. a warp per (group, channel): the group's sums, statistics and coefficients
 //   3. a thread per channel: running statistics, or grad_weight and grad_bias
-//   4. a grid-stride elementwise loop with 16-byte accesses where the shape allows
+//   4. a grid-stride elementwise loop with 16-byte accesses, one wave of resident blocks
 // Every sum is in a fixed order, so results are deterministic.
 
 #include <cuda_runtime_api.h>
@@ -21,7 +21,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChannelTile = 32;  // channels of one block in channels-last step 1
-constexpr int kBlocksPerMultiprocessor = 8;
 
 // Elements per 16-byte access.
 template <typename T>
@@ -165,8 +164,9 @@ __global__ void __launch_bounds__(kThreads) channel_kernel(const BnPass p) {
 }
 
 // Step 4, with v = x - mean per (group, channel): result = a v + c (forward) or a dy + b v + c.
-// A pack never crosses a row: packed implies S % W == 0 ([N, C, S]) or C % W == 0 ([N, S, C]).
-template <typename T, bool kBackward, typename Index>
+// Packs may cross rows (7x7 maps have no 16-byte rows), so each element finds its table entry:
+// the same along a row of [N, C, S], the next one along a row of [N, S, C].
+template <typename T, bool kBackward, bool kChannelsLast, typename Index>
 __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, bool packed) {
   using A = acc_t<T>;
   constexpr int W = kPackWidth<T>;
@@ -178,30 +178,42 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
   T* result = static_cast<T*>(p.result);
   const Coefficients<A> coefficients = coefficients_of<A>(p);
   const A* mean = static_cast<const A*>(p.mean);
-  auto visit = [&](Index i, auto width) {
-    constexpr int N = decltype(width)::value;
+  // The entry of element e, and the first element of the next row.
+  auto entry = [&](Index e, Index& row_end) -> int64_t {
     Index c, n;
-    if (l.channels_last) {
-      c = i % channels;
-      n = i / (spatial * channels);
+    if constexpr (kChannelsLast) {
+      c = e % channels;
+      n = e / (spatial * channels);
+      row_end = e - c + channels;
     } else {
-      const Index row = i / spatial;
+      const Index row = e / spatial;
       c = row % channels;
       n = row / channels;
+      row_end = (row + 1) * spatial;
     }
-    const int64_t base = l.group_of(n) * l.channels + c;
+    return l.group_of(n) * l.channels + c;
+  };
+  auto visit = [&](Index i, auto width) {
+    constexpr int N = decltype(width)::value;
     const Pack<T, N> xs = load_pack<N>(x, i);
     Pack<T, N> dys, out;
     if constexpr (kBackward) dys = load_pack<N>(dy, i);
+    Index row_end;
+    int64_t k = entry(i, row_end);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const int64_t k = l.channels_last ? base + j : base;
+      if (j > 0) {
+        if (i + j == row_end)
+          k = entry(i + j, row_end);
+        else if (kChannelsLast)
+          ++k;
+      }
       const A v = to_acc(xs.v[j]) - mean[k];
       A r;
       if constexpr (kBackward)
-        r = coefficients.a[k] * to_acc(dys.v[j]) + coefficients.b[k] * v + coefficients.c[k];
+        r = fma(coefficients.a[k], to_acc(dys.v[j]), fma(coefficients.b[k], v, coefficients.c[k]));
       else
-        r = coefficients.a[k] * v + coefficients.c[k];
+        r = fma(coefficients.a[k], v, coefficients.c[k]);
       out.v[j] = from_acc<T>(r);
     }
     store_pack<N>(result, i, out);
@@ -217,34 +229,58 @@ __global__ void __launch_bounds__(kThreads) apply_coefficients(const BnPass p, b
 
 int64_t blocks_for(int64_t threads) { return (threads + kThreads - 1) / kThreads; }
 
+// Step 4's grid: one wave of as many blocks as fit on the device (grid-stride loop).
+template <typename T, bool kBackward, bool kChannelsLast, typename Index>
+cudaError_t launch_apply(const BnPass& p, bool packed, int64_t work, int multiprocessors,
+                         cudaStream_t stream) {
+  const auto kernel = apply_coefficients<T, kBackward, kChannelsLast, Index>;
+  int per_multiprocessor = 0;
+  const cudaError_t error =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, kThreads, 0);
+  if (error != cudaSuccess) return error;
+  const int64_t blocks = std::min<int64_t>(work, int64_t{multiprocessors} * per_multiprocessor);
+  kernel<<<blocks, kThreads, 0, stream>>>(p, packed);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kBackward, bool kChannelsLast>
+cudaError_t launch_apply(const BnPass& p, bool packed, int multiprocessors, cudaStream_t stream) {
+  constexpr int W = kPackWidth<T>;
+  const int64_t numel = p.layout.batch * p.layout.channels * p.layout.spatial;
+  const int64_t work = blocks_for(packed ? numel / W : numel);
+  // 32-bit index math where it cannot overflow: divisions are several times cheaper.
+  if (numel + work * kThreads * int64_t{W} < (int64_t{1} << 32))
+    return launch_apply<T, kBackward, kChannelsLast, uint32_t>(p, packed, work, multiprocessors,
+                                                               stream);
+  return launch_apply<T, kBackward, kChannelsLast, int64_t>(p, packed, work, multiprocessors,
+                                                            stream);
+}
+
 template <typename T, bool kBackward>
 cudaError_t launch_pass(const BnPass& p, int multiprocessors, cudaStream_t stream) {
   constexpr int W = kPackWidth<T>;
   const BnLayout& l = p.layout;
   const bool aligned = is_aligned(p.input, 16) && is_aligned(p.result, 16) &&
                        (!kBackward || is_aligned(p.grad_output, 16));
-  const bool packed = aligned && (l.channels_last ? l.channels % W : l.spatial % W) == 0;
+  const int64_t numel = l.batch * l.channels * l.spatial;
 
   if (l.channels_last) {
     const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
     sample_sums_channels_last<T, kBackward><<<l.batch * tiles, kThreads, 0, stream>>>(p);
   } else {
-    sample_sums_rows<T, kBackward>
-        <<<blocks_for(32 * l.batch * l.channels), kThreads, 0, stream>>>(p, packed);
+    const int64_t blocks = blocks_for(32 * l.batch * l.channels);
+    const bool packed_rows = aligned && l.spatial % W == 0;
+    sample_sums_rows<T, kBackward><<<blocks, kThreads, 0, stream>>>(p, packed_rows);
   }
   group_kernel<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
   if (kBackward || p.running_mean != nullptr)
     channel_kernel<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
 
-  const int64_t numel = l.batch * l.channels * l.spatial;
-  const int64_t blocks = std::min<int64_t>(blocks_for(packed ? numel / W : numel),
-                                           int64_t{multiprocessors} * kBlocksPerMultiprocessor);
-  // 32-bit index math where it cannot overflow: divisions are several times cheaper.
-  if (numel + blocks * kThreads * int64_t{W} < (int64_t{1} << 32))
-    apply_coefficients<T, kBackward, uint32_t><<<blocks, kThreads, 0, stream>>>(p, packed);
-  else
-    apply_coefficients<T, kBackward, int64_t><<<blocks, kThreads, 0, stream>>>(p, packed);
-  return cudaGetLastError();
+  const bool packed = aligned && numel % W == 0;
+  return l.channels_last ? launch_apply<T, kBackward, true>(p, packed, multiprocessors, stream)
+                         : launch_apply<T, kBackward, false>(p, packed, multiprocessors, stream);
 }
 
 template <typename T>
