@@ -1,0 +1,87 @@
+"""The per-iteration learning rate of large-batch training: a warmup, then a decay."""
+
+import bisect
+import math
+
+from torch.optim.lr_scheduler import LRScheduler
+
+WARMUPS = ("gradual", "constant", "none")
+DECAYS = ("step", "poly", "cosine", "none")
+
+
+class LargeBatchLR(LRScheduler):
+    """Warmup then decay, computed in closed form from the iteration; call step() after every
+    optimizer.step(). The optimizer's learning rates are the peak (scaled) ones, k * eta.
+
+    Warmup over `warmup_epochs` (Goyal et al. 2017, section 2.2):
+      "gradual"   from warmup_start_factor * peak to the peak, linearly per iteration;
+      "constant"  warmup_start_factor * peak, then a jump to the peak;
+      "none"      the peak from the start.
+    Goyal et al.'s warmup starts at eta, the LR of batch 256: warmup_start_factor = 256 / batch.
+    Then, over the remaining epochs:
+      "step"      times gamma at every epoch of `milestones` reached (Goyal: 30, 60, 80 of 90);
+      "poly"      (1 - t) ** power, t going from 0 after warmup to 1 at `epochs` (MLPerf LARS);
+      "cosine"    (1 + cos(pi t)) / 2;
+      "none"      constant.
+    With a batch_size_schedule (batch-size control), the LR also follows the linear scaling rule
+    at each epoch's batch: times schedule.lr_factor(epoch).
+
+    iterations_per_epoch is an int, or one int per epoch when the batch size changes.
+    state_dict() holds the iteration, so a resumed job continues where it stopped.
+    """
+
+    def __init__(self, optimizer, iterations_per_epoch, epochs, warmup="gradual",
+                 warmup_epochs=5.0, warmup_start_factor=0.0, decay="step",
+                 milestones=(30, 60, 80), gamma=0.1, power=2.0, batch_size_schedule=None,
+                 last_epoch=-1):
+        if warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
+        if decay not in DECAYS:
+            raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+        if isinstance(iterations_per_epoch, int):
+            iterations_per_epoch = [iterations_per_epoch] * epochs
+        iterations_per_epoch = list(iterations_per_epoch)
+        if len(iterations_per_epoch) != epochs or min(iterations_per_epoch, default=0) <= 0:
+            raise ValueError(f"iterations_per_epoch must be a positive int or {epochs} of them "
+                             f"(one per epoch), got {iterations_per_epoch}")
+        if warmup != "none" and not 0 <= warmup_epochs <= epochs:
+            raise ValueError(f"warmup_epochs must be in [0, {epochs}], got {warmup_epochs}")
+        self.epoch_starts = [0]  # the first iteration of every epoch, and the total
+        for count in iterations_per_epoch:
+            self.epoch_starts.append(self.epoch_starts[-1] + count)
+        self.epochs, self.warmup, self.decay = epochs, warmup, decay
+        self.warmup_epochs = warmup_epochs if warmup != "none" else 0.0
+        self.warmup_start_factor, self.milestones = warmup_start_factor, sorted(milestones)
+        self.gamma, self.power, self.batch_size_schedule = gamma, power, batch_size_schedule
+        super().__init__(optimizer, last_epoch)
+
+    def progress(self, iteration):
+        """(epoch, epochs elapsed as a float) at `iteration`; past the end, the last epoch's end."""
+        iteration = min(iteration, self.epoch_starts[-1])
+        epoch = min(bisect.bisect_right(self.epoch_starts, iteration) - 1, self.epochs - 1)
+        length = self.epoch_starts[epoch + 1] - self.epoch_starts[epoch]
+        return epoch, epoch + (iteration - self.epoch_starts[epoch]) / length
+
+    def factor(self, iteration):
+        """The LR at `iteration` as a multiple of the peak LR."""
+        epoch, elapsed = self.progress(iteration)
+        scale = 1.0 if self.batch_size_schedule is None \
+            else self.batch_size_schedule.lr_factor(epoch)
+        if elapsed < self.warmup_epochs:
+            if self.warmup == "constant":
+                return scale * self.warmup_start_factor
+            fraction = elapsed / self.warmup_epochs
+            return scale * (self.warmup_start_factor + (1 - self.warmup_start_factor) * fraction)
+        if self.decay == "step":
+            return scale * self.gamma ** bisect.bisect_right(self.milestones, elapsed)
+        span = self.epochs - self.warmup_epochs
+        t = min(1.0, (elapsed - self.warmup_epochs) / span) if span > 0 else 1.0
+        if self.decay == "poly":
+            return scale * (1 - t) ** self.power
+        if self.decay == "cosine":
+            return scale * (1 + math.cos(math.pi * t)) / 2
+        return scale
+
+    def get_lr(self):
+        factor = self.factor(self.last_epoch)
+        return [base_lr * factor for base_lr in self.base_lrs]
