@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (importing it registers the torch_bigbatch ops)
 from . import ops  # noqa: F401  (fake kernels for torch.compile)
-from . import distributed, models, nn, optim, schedules
+from . import data, distributed, models, nn, optim, recipes, schedules
 
 __version__ = "0.1.0"
-__all__ = ["distributed", "models", "nn", "optim", "schedules"]
+__all__ = ["data", "distributed", "models", "nn", "optim", "recipes", "schedules"]

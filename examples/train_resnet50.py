@@ -1,0 +1,371 @@
+"""Large-minibatch ResNet training under torchrun: a paper's recipe with one flag.
+
+Goyal et al. 2017 (goyal2017), Mikami et al. 2018 (mikami2018) or MLPerf's LARS setup
+(mlperf_lars), each scaled to the world size by the linear rule: the fused SGD/LARS optimizer
+with no weight decay on biases and BatchNorm, the per-iteration warmup and decay, local
+BatchNorm over groups of 32 samples, zero-gamma residual init, label smoothing, batch-size
+control, and DDP over the "torus" backend (2D-torus allreduce) by default.
+
+    # ImageNet (an ImageFolder with train/ and val/; needs torchvision), 8 GPUs:
+    torchrun --nproc-per-node 8 examples/train_resnet50.py --recipe goyal2017 --data /imagenet
+    # Fashion-MNIST from Debian's dataset-fashion-mnist, 4 CPU processes (what `make demo` runs):
+    torchrun --nproc-per-node 4 examples/train_resnet50.py --dataset fashion-mnist --epochs 3
+
+Checkpoints (model, optimizer, scheduler, position, metrics) are written atomically by rank 0
+every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
+as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
+go to OUTPUT/metrics.csv and OUTPUT/metrics.png.
+"""
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torch_bigbatch as bb
+from torch_bigbatch.schedules import DistributedBatchSampler
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = ("epoch", "train_loss", "test_loss", "test_accuracy", "lr", "global_batch",
+           "images_per_second", "seconds")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", choices=bb.recipes.RECIPES, default="goyal2017")
+    parser.add_argument("--dataset", choices=("imagenet", "fashion-mnist", "synthetic"),
+                        default=None, help="default: imagenet with --data, else fashion-mnist")
+    parser.add_argument("--data", metavar="PATH", help="ImageNet root with train/ and val/")
+    parser.add_argument("--fashion-mnist-root", default=bb.data.fashion_mnist.DEFAULT_ROOT)
+    parser.add_argument("--synthetic-size", type=int, default=2048,
+                        help="training images of --dataset synthetic (a quarter more to test)")
+    parser.add_argument("--model", choices=("resnet50", "resnet18", "resnet_small"),
+                        help="default: resnet50 on ImageNet, resnet_small otherwise")
+    parser.add_argument("--epochs", type=int,
+                        help="train this many epochs, the recipe's schedule shrunk to fit")
+    parser.add_argument("--batch-per-rank", type=int, help="samples per rank per step")
+    parser.add_argument("--base-lr", type=float, help="LR per --base-batch samples")
+    parser.add_argument("--bn-group-size", type=int,
+                        help="samples per BatchNorm group (0: nn.BatchNorm2d); default the recipe's")
+    parser.add_argument("--max-local-batch", type=int, default=0,
+                        help="accumulate gradients over micro-batches of at most this size")
+    parser.add_argument("--backend", default="torus", help="torus (default), gloo or nccl")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even with CUDA")
+    parser.add_argument("--output", default="runs/train_resnet50", help="checkpoints, metrics")
+    parser.add_argument("--checkpoint-every", type=int, default=500,
+                        help="also checkpoint every N steps (0: only at epoch ends)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT's checkpoint")
+    parser.add_argument("--stop-after-epochs", type=int, default=0,
+                        help="end this run after N epochs (checkpointed), to resume later")
+    parser.add_argument("--workers", type=int, default=8, help="data-loading processes (ImageNet)")
+    parser.add_argument("--print-every", type=int, default=20, help="steps between progress lines")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300, help="collective timeout, seconds")
+    return parser
+
+
+class Setup:
+    """Everything decided before any process group exists (so a bad argument fails once)."""
+
+    def __init__(self, args):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.dataset = args.dataset or ("imagenet" if args.data else "fashion-mnist")
+        recipe = bb.recipes.get_recipe(args.recipe)
+        if args.epochs:
+            recipe = recipe.shortened(args.epochs)
+        changes = {"batch_per_rank": args.batch_per_rank, "base_lr": args.base_lr,
+                   "bn_group_size": args.bn_group_size}
+        recipe = recipe.replace(**{key: value for key, value in changes.items()
+                                   if value is not None})
+        self.recipe = recipe
+        self.schedule = recipe.batch_size_schedule(self.world_size)  # checks divisibility
+        self.model_name = args.model or ("resnet50" if self.dataset == "imagenet"
+                                         else "resnet_small")
+        self.checkpoint = os.path.join(args.output, CHECKPOINT)
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if args.resume and not os.path.exists(self.checkpoint):
+            raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
+        self.resume = (args.resume or restarted) and os.path.exists(self.checkpoint)
+        self.check_data(args)
+        group = recipe.bn_group_size
+        if args.max_local_batch and group and args.max_local_batch % group:
+            raise ValueError(f"--max-local-batch {args.max_local_batch} must be a multiple of "
+                             f"the BatchNorm group size {group}")
+        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available()
+                                   and not args.cpu else "cpu")
+
+    def check_data(self, args):
+        if self.dataset == "imagenet":
+            if not args.data:
+                raise ValueError("--dataset imagenet needs --data PATH (train/ and val/ inside)")
+            for split in ("train", "val"):
+                if not os.path.isdir(os.path.join(args.data, split)):
+                    raise ValueError(f"--data {args.data}: no {split}/ directory in it")
+            try:
+                import torchvision  # noqa: F401
+            except ImportError:
+                raise ValueError("ImageNet needs torchvision: pip install torchvision") from None
+        elif self.dataset == "fashion-mnist":
+            missing = bb.data.missing_files(args.fashion_mnist_root)
+            if missing:
+                raise ValueError(f"Fashion-MNIST not found ({missing[0]}): install the Debian "
+                                 "package dataset-fashion-mnist, or pass --fashion-mnist-root")
+
+
+def load_data(setup, args):
+    """(train, test, classes, channels): train and test are (images, labels) tensors, or
+    ImageFolder datasets for ImageNet."""
+    if setup.dataset == "fashion-mnist":
+        return (bb.data.load_fashion_mnist("train", args.fashion_mnist_root),
+                bb.data.load_fashion_mnist("test", args.fashion_mnist_root), 10, 1)
+    if setup.dataset == "synthetic":
+        images, labels = bb.data.synthetic_images(args.synthetic_size * 5 // 4, seed=args.seed)
+        split = args.synthetic_size
+        return (images[:split], labels[:split]), (images[split:], labels[split:]), 10, 1
+    from torchvision import datasets, transforms
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
+        transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(), normalize]))
+    test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
+        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(), normalize]))
+    return train, test, len(train.classes), 3
+
+
+def batches(data, sampler, workers):
+    """(images, labels) of each of this rank's batches of the sampler's epoch."""
+    if isinstance(data, tuple):
+        images, labels = data
+        for indices in sampler:
+            index = torch.tensor(indices)
+            yield images[index], labels[index]
+    else:
+        yield from torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=workers,
+                                               pin_memory=True, persistent_workers=False)
+
+
+def dataset_size(data):
+    return len(data[1]) if isinstance(data, tuple) else len(data)
+
+
+def micro_batches(images, labels, size):
+    """The batch cut into micro-batches of at most `size` samples (all of it for 0)."""
+    if not size or len(labels) <= size:
+        return [(images, labels)]
+    return list(zip(images.split(size), labels.split(size)))
+
+
+def train_step(model, criterion, optimizer, images, labels, setup, args, autocast):
+    """One optimizer step over this rank's batch (accumulated over micro-batches, with DDP's
+    allreduce only after the last); returns the batch's mean loss."""
+    parts = micro_batches(images, labels, args.max_local_batch)
+    total = 0.0
+    for index, (x, y) in enumerate(parts):
+        x = x.to(setup.device, non_blocking=True)
+        y = y.to(setup.device, non_blocking=True)
+        if setup.device.type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
+        last = index == len(parts) - 1
+        with (model.no_sync() if not last else torch.enable_grad()), autocast():
+            loss = criterion(model(x), y) * (len(y) / len(labels))
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, test, setup, args, autocast):
+    """(mean cross-entropy, accuracy) on the whole test set, split across the ranks."""
+    model.eval()
+    count = dataset_size(test)
+    shard = torch.arange(count).tensor_split(setup.world_size)[setup.rank]
+    sums = torch.zeros(3, dtype=torch.float64)
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    for start in range(0, len(shard), 500):
+        indices = shard[start:start + 500]
+        if isinstance(test, tuple):
+            x, y = test[0][indices], test[1][indices]
+        else:
+            samples = [test[i] for i in indices.tolist()]
+            x = torch.stack([s[0] for s in samples])
+            y = torch.tensor([s[1] for s in samples])
+        x, y = x.to(setup.device), y.to(setup.device)
+        with autocast():
+            logits = model(x).float()
+        sums += torch.tensor([criterion(logits, y).item(), (logits.argmax(1) == y).sum().item(),
+                              len(y)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    model.train()
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def save_checkpoint(path, state):
+    """Written to a temporary file, then renamed: a crash never leaves half a checkpoint."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = f"{path}.tmp"
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def write_metrics(output, rows):
+    with open(os.path.join(output, "metrics.csv"), "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=METRICS)
+        writer.writeheader()
+        writer.writerows(rows)
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no metrics.png (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+    epochs = [row["epoch"] for row in rows]
+    figure, axes = pyplot.subplots(1, 4, figsize=(16, 3.5))
+    panels = [("loss", ("train_loss", "test_loss")), ("test accuracy", ("test_accuracy",)),
+              ("learning rate (last step)", ("lr",)), ("global batch", ("global_batch",))]
+    for axis, (title, keys) in zip(axes, panels):
+        for key in keys:
+            axis.plot(epochs, [row[key] for row in rows], marker="o", label=key)
+        axis.set_title(title)
+        axis.set_xlabel("epoch")
+        if len(keys) > 1:
+            axis.legend()
+    figure.tight_layout()
+    figure.savefig(os.path.join(output, "metrics.png"), dpi=80)
+    pyplot.close(figure)
+
+
+def format_seconds(seconds):
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def main():
+    parser = get_args_parser()
+    args = parser.parse_args()
+    try:
+        setup = Setup(args)
+    except ValueError as error:  # one message, from rank 0, before any process group
+        if int(os.environ.get("RANK", 0)) == 0:
+            parser.error(str(error))
+        sys.exit(2)
+    recipe, schedule = setup.recipe, setup.schedule
+
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.local_world_size))
+    if "MASTER_ADDR" not in os.environ:  # a plain `python train_resnet50.py`: one process
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    dist.init_process_group(args.backend, rank=setup.rank, world_size=setup.world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    torch.manual_seed(args.seed)
+
+    train, test, classes, channels = load_data(setup, args)
+    build = getattr(bb.models, setup.model_name)
+    model = build(num_classes=classes, in_channels=channels, bn_group_size=recipe.bn_group_size,
+                  zero_init_residual=recipe.zero_init_residual).to(setup.device)
+    if setup.device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = recipe.build_optimizer(model, setup.world_size)
+    size = dataset_size(train)
+    iterations = [schedule.batches(epoch, size) for epoch in range(recipe.epochs)]
+    if min(iterations) == 0:
+        raise SystemExit(f"{size} training samples make no global batch of {max(schedule.sizes)}")
+    scheduler = recipe.build_scheduler(optimizer, iterations, setup.world_size)
+    sampler = DistributedBatchSampler(size, schedule, setup.rank, setup.world_size,
+                                      seed=args.seed)
+    criterion = recipe.criterion()
+
+    start_epoch, start_step, rows = 0, 0, []
+    if setup.resume:
+        # Our own file, holding the recipe's dataclasses: not a weights-only checkpoint.
+        state = torch.load(setup.checkpoint, map_location=setup.device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_epoch, start_step, rows = state["epoch"], state["step"], state["metrics"]
+        if start_epoch < recipe.epochs and start_step == iterations[start_epoch]:
+            start_epoch, start_step = start_epoch + 1, 0
+    ddp = DistributedDataParallel(model, device_ids=[setup.device.index]
+                                  if setup.device.type == "cuda" else None)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.device.type == "cuda")
+
+    def checkpoint(epoch, step):
+        if setup.rank == 0:
+            save_checkpoint(setup.checkpoint, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+                "metrics": rows, "args": vars(args), "recipe": dataclasses.asdict(recipe)})
+
+    if setup.rank == 0:
+        print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({size} images), "
+              f"{setup.world_size} x {setup.device.type}, backend {dist.get_backend()}, "
+              f"global batch {schedule(0)} (LR {recipe.peak_lr(setup.world_size):.4g}), "
+              f"{recipe.epochs} epochs" + (f", resumed at epoch {start_epoch + 1} step "
+                                           f"{start_step}" if setup.resume else ""), flush=True)
+    total_images = sum(iterations[e] * schedule(e) for e in range(start_epoch, recipe.epochs))
+    done_images, run_start, epochs_run = 0, time.time(), 0
+    for epoch in range(start_epoch, recipe.epochs):
+        sampler.set_epoch(epoch)
+        epoch_start, losses, seen = time.time(), [], 0
+        first = start_step if epoch == start_epoch else 0
+        for step, (images, labels) in enumerate(batches(train, sampler, args.workers)):
+            if step < first:
+                continue  # done before the checkpoint this run resumed from
+            losses.append(train_step(ddp, criterion, optimizer, images, labels, setup, args,
+                                     autocast))
+            lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
+            scheduler.step()
+            seen += schedule(epoch)
+            done_images += schedule(epoch)
+            if setup.rank == 0 and ((step + 1) % args.print_every == 0
+                                    or step + 1 == iterations[epoch]):
+                rate = done_images / (time.time() - run_start)
+                print(f"epoch {epoch + 1}/{recipe.epochs} step {step + 1}/{iterations[epoch]} "
+                      f"loss {losses[-1]:.4f} lr {lr:.4g} "
+                      f"batch {schedule(epoch)} {rate:.0f} img/s "
+                      f"ETA {format_seconds((total_images - done_images) / rate)}", flush=True)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                checkpoint(epoch, step + 1)
+        train_loss = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+        dist.all_reduce(train_loss)
+        test_loss, accuracy = evaluate(model, test, setup, args, autocast)
+        seconds = time.time() - epoch_start
+        rows.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
+                     "test_loss": test_loss, "test_accuracy": accuracy,
+                     "lr": lr, "global_batch": schedule(epoch),
+                     "images_per_second": seen / seconds, "seconds": seconds})
+        checkpoint(epoch, iterations[epoch])
+        if setup.rank == 0:
+            write_metrics(args.output, rows)
+            print(f"epoch {epoch + 1}: train loss {rows[-1]['train_loss']:.4f}, test loss "
+                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% ({seconds:.0f} s)",
+                  flush=True)
+        epochs_run += 1
+        if args.stop_after_epochs and epochs_run == args.stop_after_epochs:
+            break
+    if setup.rank == 0 and rows:
+        finished = "finished" if rows[-1]["epoch"] == recipe.epochs else "stopped"
+        print(f"{finished} after epoch {rows[-1]['epoch']}: test accuracy "
+              f"{100 * rows[-1]['test_accuracy']:.2f}% (metrics in {args.output})", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

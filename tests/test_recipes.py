@@ -1,0 +1,69 @@
+"""The paper presets: their numbers at a world size, and what they build."""
+
+import pytest
+import torch
+from torch import nn
+
+import torch_bigbatch as bb
+from torch_bigbatch.recipes import get_recipe, goyal2017, mikami2018, mlperf_lars
+
+
+def tiny_model():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+
+
+def test_goyal2017_at_8k():
+    """256 ranks of 32: batch 8192, LR 3.2, warmup from 0.1 over 5 epochs, steps at 30/60/80."""
+    assert goyal2017.batch_size_schedule(256)(0) == 8192
+    assert goyal2017.peak_lr(256) == pytest.approx(3.2)
+    optimizer = goyal2017.build_optimizer(tiny_model(), 256)
+    assert isinstance(optimizer, bb.optim.SGD)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0]
+    assert optimizer.param_groups[0]["nesterov"] and optimizer.param_groups[0]["momentum"] == 0.9
+    scheduler = goyal2017.build_scheduler(optimizer, 10, 256)
+    assert scheduler.factor(0) * 3.2 == pytest.approx(0.1)
+    assert scheduler.factor(50) == pytest.approx(1.0)
+    assert scheduler.factor(300) == pytest.approx(0.1)
+    assert goyal2017.criterion().label_smoothing == 0.0
+
+
+def test_mikami2018_doubles_the_batch_and_the_lr():
+    schedule = mikami2018.batch_size_schedule(1088)
+    assert (schedule(0), schedule(29), schedule(30)) == (34816, 34816, 69632)
+    optimizer = mikami2018.build_optimizer(tiny_model(), 1088)
+    iterations = [schedule.batches(epoch, 1_281_167) for epoch in range(90)]
+    scheduler = mikami2018.build_scheduler(optimizer, iterations, 1088)
+    before, after = sum(iterations[:30]) - 1, sum(iterations[:30])
+    ratio = scheduler.factor(after) / scheduler.factor(before)
+    assert ratio == pytest.approx(2.0, rel=0.02)  # x2 for the batch, times a little poly decay
+    assert mikami2018.criterion().label_smoothing == 0.1
+
+
+def test_mlperf_lars_fixed_global_batch():
+    assert mlperf_lars.batch_size_schedule(8)(0) == 3264
+    assert mlperf_lars.peak_lr(8) == pytest.approx(10.5)
+    optimizer = mlperf_lars.build_optimizer(tiny_model(), 8)
+    assert isinstance(optimizer, bb.optim.LARS)
+    scheduler = mlperf_lars.build_scheduler(optimizer, 392, 8)
+    assert scheduler.factor(0) == 0.0 and scheduler.factor(2 * 392) == pytest.approx(1.0)
+    assert scheduler.factor(37 * 392) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="does not split across 5 ranks"):
+        mlperf_lars.batch_size_schedule(5)
+
+
+def test_shortened_keeps_the_shape_of_the_schedule():
+    short = goyal2017.shortened(9)
+    assert short.epochs == 9 and short.warmup_epochs == pytest.approx(0.5)
+    assert short.milestones == pytest.approx((3, 6, 8))
+    assert mikami2018.shortened(9).batch_growth == ((3, 2),)
+
+
+def test_unknown_recipe():
+    with pytest.raises(ValueError, match="known recipes: goyal2017, mikami2018, mlperf_lars"):
+        get_recipe("nope")
+
+
+def test_replace_keeps_presets_unchanged():
+    changed = goyal2017.replace(batch_per_rank=64)
+    assert changed.batch_size_schedule(4)(0) == 256 and goyal2017.batch_per_rank == 32
+    assert isinstance(torch.nn.CrossEntropyLoss(), nn.Module)
