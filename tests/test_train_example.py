@@ -93,3 +93,19 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
     other = run_single(args, rank=3, world_size=5)
     assert first.returncode == other.returncode == 2
     assert "3264 does not split across 5 ranks" in first.stderr and other.stderr == ""
+
+
+def test_micro_batches_give_the_same_steps(tmp_path):
+    """64 per rank in micro-batches of 32 (BN groups of 32 either way): the same gradients,
+    so the same parameters (the running statistics move once per micro-batch, so they differ)."""
+    whole, micro = str(tmp_path / "whole"), str(tmp_path / "micro")
+    args = [*TINY, "--epochs", "1", "--batch-per-rank", "64"]
+    torchrun([*args, "--output", whole])
+    torchrun([*args, "--output", micro, "--max-local-batch", "32"])
+    a = torch.load(os.path.join(whole, "checkpoint.pt"), weights_only=False)["model"]
+    b = torch.load(os.path.join(micro, "checkpoint.pt"), weights_only=False)["model"]
+    parameters = [key for key in a if not key.endswith(("running_mean", "running_var",
+                                                         "num_batches_tracked"))]
+    assert len(parameters) > 20
+    for key in parameters:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
