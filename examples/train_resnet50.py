@@ -18,10 +18,10 @@ go to OUTPUT/metrics.csv and OUTPUT/metrics.png.
 """
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
-import math
 import os
 import sys
 import time
@@ -66,6 +66,8 @@ def get_args_parser():
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT's checkpoint")
     parser.add_argument("--stop-after-epochs", type=int, default=0,
                         help="end this run after N epochs (checkpointed), to resume later")
+    parser.add_argument("--stop-after-steps", type=int, default=0,
+                        help="end this run after N steps (checkpointed), even mid-epoch")
     parser.add_argument("--workers", type=int, default=8, help="data-loading processes (ImageNet)")
     parser.add_argument("--print-every", type=int, default=20, help="steps between progress lines")
     parser.add_argument("--seed", type=int, default=0)
@@ -178,7 +180,7 @@ def train_step(model, criterion, optimizer, images, labels, setup, args, autocas
         if setup.device.type == "cuda":
             x = x.contiguous(memory_format=torch.channels_last)
         last = index == len(parts) - 1
-        with (model.no_sync() if not last else torch.enable_grad()), autocast():
+        with (contextlib.nullcontext() if last else model.no_sync()), autocast():
             loss = criterion(model(x), y) * (len(y) / len(labels))
             loss.backward()
         total += loss.item()
@@ -191,18 +193,15 @@ def train_step(model, criterion, optimizer, images, labels, setup, args, autocas
 def evaluate(model, test, setup, args, autocast):
     """(mean cross-entropy, accuracy) on the whole test set, split across the ranks."""
     model.eval()
-    count = dataset_size(test)
-    shard = torch.arange(count).tensor_split(setup.world_size)[setup.rank]
+    shard = torch.arange(dataset_size(test)).tensor_split(setup.world_size)[setup.rank]
+    if isinstance(test, tuple):
+        loader = ((test[0][index], test[1][index]) for index in shard.split(500))
+    else:
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(test, shard.tolist()),
+                                             batch_size=100, num_workers=args.workers)
     sums = torch.zeros(3, dtype=torch.float64)
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    for start in range(0, len(shard), 500):
-        indices = shard[start:start + 500]
-        if isinstance(test, tuple):
-            x, y = test[0][indices], test[1][indices]
-        else:
-            samples = [test[i] for i in indices.tolist()]
-            x = torch.stack([s[0] for s in samples])
-            y = torch.tensor([s[1] for s in samples])
+    for x, y in loader:
         x, y = x.to(setup.device), y.to(setup.device)
         with autocast():
             logits = model(x).float()
@@ -290,7 +289,9 @@ def main():
                                       seed=args.seed)
     criterion = recipe.criterion()
 
-    start_epoch, start_step, rows = 0, 0, []
+    # This rank's [sum, count] of step losses in the epoch; a run resumed mid-epoch puts the
+    # checkpoint's totals (all ranks') on rank 0, so the epoch's all_reduce still sums them all.
+    start_epoch, start_step, rows, resumed_loss = 0, 0, [], torch.zeros(2, dtype=torch.float64)
     if setup.resume:
         # Our own file, holding the recipe's dataclasses: not a weights-only checkpoint.
         state = torch.load(setup.checkpoint, map_location=setup.device, weights_only=False)
@@ -298,20 +299,26 @@ def main():
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, start_step, rows = state["epoch"], state["step"], state["metrics"]
+        if setup.rank == 0:
+            resumed_loss = state["epoch_loss"]
         if start_epoch < recipe.epochs and start_step == iterations[start_epoch]:
-            start_epoch, start_step = start_epoch + 1, 0
+            start_epoch, start_step, resumed_loss = start_epoch + 1, 0, resumed_loss.zero_()
     ddp = DistributedDataParallel(model, device_ids=[setup.device.index]
                                   if setup.device.type == "cuda" else None)
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.device.type == "cuda")
 
-    def checkpoint(epoch, step):
+    def checkpoint(epoch, step, epoch_loss):
+        """Every rank calls it at the same steps: it sums the epoch's losses over the ranks."""
+        total = epoch_loss.clone()
+        dist.all_reduce(total)
         if setup.rank == 0:
             save_checkpoint(setup.checkpoint, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-                "metrics": rows, "args": vars(args), "recipe": dataclasses.asdict(recipe)})
+                "epoch_loss": total, "metrics": rows, "args": vars(args),
+                "recipe": dataclasses.asdict(recipe)})
 
     if setup.rank == 0:
         print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({size} images), "
@@ -320,16 +327,16 @@ def main():
               f"{recipe.epochs} epochs" + (f", resumed at epoch {start_epoch + 1} step "
                                            f"{start_step}" if setup.resume else ""), flush=True)
     total_images = sum(iterations[e] * schedule(e) for e in range(start_epoch, recipe.epochs))
-    done_images, run_start, epochs_run = 0, time.time(), 0
+    done_images, run_start, epochs_run, steps_run, stopped = 0, time.time(), 0, 0, False
     for epoch in range(start_epoch, recipe.epochs):
-        sampler.set_epoch(epoch)
-        epoch_start, losses, seen = time.time(), [], 0
-        first = start_step if epoch == start_epoch else 0
-        for step, (images, labels) in enumerate(batches(train, sampler, args.workers)):
-            if step < first:
-                continue  # done before the checkpoint this run resumed from
-            losses.append(train_step(ddp, criterion, optimizer, images, labels, setup, args,
-                                     autocast))
+        resuming = epoch == start_epoch
+        first = start_step if resuming else 0  # batches done before the checkpoint resumed from
+        sampler.set_epoch(epoch, first_batch=first)
+        epoch_start, seen = time.time(), 0
+        epoch_loss = resumed_loss.clone() if resuming else torch.zeros(2, dtype=torch.float64)
+        for step, (images, labels) in enumerate(batches(train, sampler, args.workers), first):
+            loss = train_step(ddp, criterion, optimizer, images, labels, setup, args, autocast)
+            epoch_loss += torch.tensor([loss, 1.0], dtype=torch.float64)
             lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
             scheduler.step()
             seen += schedule(epoch)
@@ -338,12 +345,18 @@ def main():
                                     or step + 1 == iterations[epoch]):
                 rate = done_images / (time.time() - run_start)
                 print(f"epoch {epoch + 1}/{recipe.epochs} step {step + 1}/{iterations[epoch]} "
-                      f"loss {losses[-1]:.4f} lr {lr:.4g} "
+                      f"loss {loss:.4f} lr {lr:.4g} "
                       f"batch {schedule(epoch)} {rate:.0f} img/s "
                       f"ETA {format_seconds((total_images - done_images) / rate)}", flush=True)
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                checkpoint(epoch, step + 1)
-        train_loss = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            steps_run += 1
+            stopped = steps_run == args.stop_after_steps
+            if stopped or args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                checkpoint(epoch, step + 1, epoch_loss)
+            if stopped:
+                break
+        if stopped:
+            break
+        train_loss = epoch_loss.clone()
         dist.all_reduce(train_loss)
         test_loss, accuracy = evaluate(model, test, setup, args, autocast)
         seconds = time.time() - epoch_start
@@ -351,7 +364,7 @@ def main():
                      "test_loss": test_loss, "test_accuracy": accuracy,
                      "lr": lr, "global_batch": schedule(epoch),
                      "images_per_second": seen / seconds, "seconds": seconds})
-        checkpoint(epoch, iterations[epoch])
+        checkpoint(epoch, iterations[epoch], torch.zeros(2, dtype=torch.float64))
         if setup.rank == 0:
             write_metrics(args.output, rows)
             print(f"epoch {epoch + 1}: train loss {rows[-1]['train_loss']:.4f}, test loss "
@@ -360,7 +373,9 @@ def main():
         epochs_run += 1
         if args.stop_after_epochs and epochs_run == args.stop_after_epochs:
             break
-    if setup.rank == 0 and rows:
+    if setup.rank == 0 and stopped:
+        print(f"stopped after {steps_run} steps, checkpoint in {setup.checkpoint}", flush=True)
+    elif setup.rank == 0 and rows:
         finished = "finished" if rows[-1]["epoch"] == recipe.epochs else "stopped"
         print(f"{finished} after epoch {rows[-1]['epoch']}: test accuracy "
               f"{100 * rows[-1]['test_accuracy']:.2f}% (metrics in {args.output})", flush=True)

@@ -159,3 +159,10 @@ def test_sampler_shuffles_once_per_epoch_with_a_shared_seed():
 
 def test_exported_from_the_package():
     assert bb.schedules.LargeBatchLR is LargeBatchLR
+
+
+def test_sampler_starts_an_epoch_at_a_later_batch():
+    whole = epoch_batches(96, 16, 2, epoch=1)
+    sampler = DistributedBatchSampler(96, 16, rank=1, world_size=2)
+    sampler.set_epoch(1, first_batch=4)
+    assert len(sampler) == 2 and list(sampler) == whole[1][4:]

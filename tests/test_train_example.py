@@ -68,6 +68,24 @@ def test_resume_ends_where_a_straight_run_does(tmp_path):
     assert a["metrics"][-1]["train_loss"] == b["metrics"][-1]["train_loss"]
 
 
+def test_resume_mid_epoch(tmp_path):
+    """Stopped after 6 steps (epoch 2 of 4-step epochs, step 2), resumed: the same end."""
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    torchrun([*TINY, "--epochs", "2", "--output", straight])
+    stdout = torchrun([*TINY, "--epochs", "2", "--output", split, "--stop-after-steps", "6"])
+    assert "stopped after 6 steps" in stdout
+    stdout = torchrun([*TINY, "--epochs", "2", "--output", split, "--resume"])
+    assert "resumed at epoch 2 step 2" in stdout
+    a = torch.load(os.path.join(straight, "checkpoint.pt"), weights_only=False)
+    b = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=False)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for row, same in zip(a["metrics"], b["metrics"], strict=True):
+        assert row["test_loss"] == same["test_loss"] and row["lr"] == same["lr"]
+        # The epoch's losses are summed in another order across the stop: equal up to rounding.
+        assert row["train_loss"] == pytest.approx(same["train_loss"], rel=1e-12)
+
+
 def run_single(args, rank=0, world_size=1):
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,

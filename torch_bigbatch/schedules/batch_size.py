@@ -58,7 +58,8 @@ class DistributedBatchSampler(Sampler):
     is seen once per epoch across the ranks. drop_last=True (the default) drops the incomplete
     last global batch, keeping every step's batch (and its BatchNorm groups) the same size;
     with drop_last=False it is split as evenly as the ranks allow. Call set_epoch(epoch) before
-    iterating, as with torch's DistributedSampler.
+    iterating, as with torch's DistributedSampler; set_epoch(epoch, first_batch) starts that
+    epoch at a later batch (a job resumed mid-epoch skips what it has done without loading it).
     """
 
     def __init__(self, dataset_size, schedule, rank, world_size, seed=0, drop_last=True):
@@ -68,18 +69,20 @@ class DistributedBatchSampler(Sampler):
             else BatchSizeSchedule(schedule)
         self.schedule.check_divisible(world_size)
         self.dataset_size, self.rank, self.world_size = dataset_size, rank, world_size
-        self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+        self.seed, self.drop_last, self.epoch, self.first_batch = seed, drop_last, 0, 0
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def set_epoch(self, epoch, first_batch=0):
+        self.epoch, self.first_batch = epoch, first_batch
 
     def __len__(self):
-        return self.schedule.batches(self.epoch, self.dataset_size, self.drop_last)
+        """The batches still to come in this epoch."""
+        total = self.schedule.batches(self.epoch, self.dataset_size, self.drop_last)
+        return max(0, total - self.first_batch)
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.dataset_size, generator=generator)
         size = self.schedule(self.epoch)
-        for start in range(0, len(self) * size, size):
+        for start in range(self.first_batch * size, (self.first_batch + len(self)) * size, size):
             batch = order[start:start + size]
             yield batch.tensor_split(self.world_size)[self.rank].tolist()
