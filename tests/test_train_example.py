@@ -1,11 +1,14 @@
 """examples/train_resnet50.py under torchrun on small synthetic data: the loss falls, a resumed
-run ends where a straight one does, and bad arguments fail with one message and no hang."""
+run (stopped at an epoch's end or mid-epoch, or restarted by torchrun after a crash) ends where
+a straight one does, micro-batches change nothing, and bad arguments fail with one message."""
 
 import csv
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -127,3 +130,31 @@ def test_micro_batches_give_the_same_steps(tmp_path):
     assert len(parameters) > 20
     for key in parameters:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_torchrun_restart_resumes(tmp_path):
+    """A worker killed mid-run: torchrun --max-restarts 1 starts the job again, which resumes
+    from the last checkpoint by itself and finishes."""
+    output = str(tmp_path / "run")
+    checkpoint = os.path.join(output, "checkpoint.pt")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port",
+               str(free_port()), SCRIPT, *TINY, "--synthetic-size", "2048", "--epochs", "3",
+               "--checkpoint-every", "2", "--output", output]
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(checkpoint):
+            assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert workers, "no worker processes"
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        stdout, _ = agent.communicate(timeout=180)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, stdout[-3000:]
+    assert "resumed at epoch" in stdout and "finished after epoch 3" in stdout
+    assert [int(row["epoch"]) for row in metrics(output)] == [1, 2, 3]
