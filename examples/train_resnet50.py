@@ -155,7 +155,7 @@ def batches(data, sampler, workers):
             yield images[index], labels[index]
     else:
         yield from torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=workers,
-                                               pin_memory=True, persistent_workers=False)
+                                               pin_memory=torch.cuda.is_available())
 
 
 def dataset_size(data):
