@@ -345,3 +345,22 @@ def test_compiles():
     y_eager.square().sum().backward()
     assert torch.equal(y, y_eager) and torch.equal(x.grad, x_eager.grad)
     assert torch.equal(layer.running_var, reference_layer.running_var)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "strided"])
+def test_opcheck(device, layout):
+    """Schemas (the running statistics are declared mutated), fake kernels (shapes and strides
+    of every output, for each memory layout) and autograd registration, by torch's opcheck."""
+    x = torch.randn(10, 4, 3, 5, device=device)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = x.transpose(2, 3)
+    w, b = torch.rand(4, device=device) + 0.5, torch.randn(4, device=device)
+    running_mean, running_var = torch.zeros(4, device=device), torch.ones(4, device=device)
+    op = torch.ops.torch_bigbatch
+    torch.library.opcheck(op.local_batch_norm, (x, w, b, running_mean, running_var, 4, 0.1, 1e-5))
+    _, mean, invstd = op.local_batch_norm(x, w, b, None, None, 4, 0.1, 1e-5)
+    torch.library.opcheck(op.local_batch_norm_backward,
+                          (torch.randn_like(x), x, w, mean, invstd, 4))
