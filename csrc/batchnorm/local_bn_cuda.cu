@@ -234,10 +234,13 @@ template <typename T, bool kBackward, bool kChannelsLast, typename Index>
 cudaError_t launch_apply(const BnPass& p, bool packed, int64_t work, int multiprocessors,
                          cudaStream_t stream) {
   const auto kernel = apply_coefficients<T, kBackward, kChannelsLast, Index>;
-  int per_multiprocessor = 0;
-  const cudaError_t error =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, kThreads, 0);
-  if (error != cudaSuccess) return error;
+  // Resident blocks per multiprocessor: fixed for a kernel on a GPU model, so asked once, not
+  // at every BatchNorm call (a process drives one model of GPU).
+  static const int per_multiprocessor = [kernel] {
+    int count = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, kThreads, 0);
+    return std::max(count, 1);
+  }();
   const int64_t blocks = std::min<int64_t>(work, int64_t{multiprocessors} * per_multiprocessor);
   kernel<<<blocks, kThreads, 0, stream>>>(p, packed);
   return cudaGetLastError();

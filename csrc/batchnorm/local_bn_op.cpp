@@ -61,12 +61,16 @@ at::Tensor per_channel(const std::optional<at::Tensor>& t, const at::Tensor& inp
   return t->to(dtype).contiguous();
 }
 
-const void* pointer_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
-
-// One acc tensor for the pass's scratch, which must outlive run(pass).
-at::Tensor allocate_scratch(BnPass& pass, const at::Tensor& x) {
-  const int64_t samples = 2 * pass.layout.batch * pass.layout.channels;
-  const int64_t groups = pass.layout.groups * pass.layout.channels;
+// What both passes fill alike: the layout, the input, the weight, and the scratch, in one acc
+// tensor that the caller keeps until run(pass) has returned.
+at::Tensor start_pass(BnPass& pass, const at::Tensor& x, const BnLayout& layout,
+                      const at::Tensor& weight) {
+  pass.layout = layout;
+  pass.dtype = element_type(x);
+  pass.input = x.data_ptr();
+  pass.weight = weight.defined() ? weight.data_ptr() : nullptr;
+  const int64_t samples = 2 * layout.batch * layout.channels;
+  const int64_t groups = layout.groups * layout.channels;
   at::Tensor scratch = at::empty({samples + 5 * groups}, x.options().dtype(accumulate_type(x)));
   pass.sample_sums = scratch.data_ptr();
   pass.group_values = scratch.narrow(0, samples, 2 * groups).data_ptr();
@@ -96,19 +100,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_forward(
   at::Tensor mean = at::empty({layout.groups, channels}, x.options().dtype(acc));
   at::Tensor invstd = at::empty_like(mean);
   BnPass pass;
-  pass.layout = layout;
-  pass.dtype = element_type(x);
-  pass.input = x.data_ptr();
+  const at::Tensor scratch = start_pass(pass, x, layout, w);
   pass.result = output.data_ptr();
-  pass.weight = pointer_or_null(w);
-  pass.bias = pointer_or_null(b);
+  pass.bias = b.defined() ? b.data_ptr() : nullptr;
   pass.mean = mean.data_ptr();
   pass.invstd = invstd.data_ptr();
   pass.running_mean = has_running ? rm.data_ptr() : nullptr;
   pass.running_var = has_running ? rv.data_ptr() : nullptr;
   pass.momentum = momentum;
   pass.eps = eps;
-  const at::Tensor scratch = allocate_scratch(pass, x);
   run(pass, x);
   // Running statistics in another dtype or memory were updated in a copy: write it back.
   if (has_running && !rm.is_same(*running_mean)) running_mean->copy_(rm);
@@ -141,18 +141,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
   at::Tensor grad_weight = at::empty({layout.channels}, x.options().dtype(acc));
   at::Tensor grad_bias = at::empty_like(grad_weight);
   BnPass pass;
-  pass.layout = layout;
-  pass.dtype = element_type(x);
+  const at::Tensor scratch = start_pass(pass, x, layout, w);
   pass.backward = true;
-  pass.input = x.data_ptr();
   pass.grad_output = dy.data_ptr();
   pass.result = grad_input.data_ptr();
-  pass.weight = pointer_or_null(w);
   pass.mean = mean.data_ptr();
   pass.invstd = invstd.data_ptr();
   pass.grad_weight = grad_weight.data_ptr();
   pass.grad_bias = grad_bias.data_ptr();
-  const at::Tensor scratch = allocate_scratch(pass, x);
   run(pass, x);
   return {grad_input, grad_weight, grad_bias};
 }
