@@ -47,16 +47,13 @@ def label(nbytes):
     return f"{nbytes} B"
 
 
-def time_rounds(run, group, iters, rounds):
-    """Median seconds of one call of `run` over `rounds` rounds of `iters` calls."""
-    samples = []
-    for _ in range(rounds):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(iters):
-            run()
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+def time_round(run, group, iters):
+    """Seconds per call of `run` over `iters` calls, started together on every rank."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    return (time.perf_counter() - start) / iters
 
 
 def worker(rank, world, shape, sizes, args, port, results):
@@ -73,12 +70,11 @@ def worker(rank, world, shape, sizes, args, port, results):
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
         medians = {}
-        for name, group in (("gloo", gloo), ("torus", torus)):
+        for group in (gloo, torus):
             dist.all_reduce(tensor, group=group)  # warm-up: connections, allocations
         for _ in range(args.rounds):  # the backends take turns, so drift hits both
             for name, group in (("gloo", gloo), ("torus", torus)):
-                seconds = time_rounds(lambda: dist.all_reduce(tensor, group=group), torus,
-                                      iters, 1)
+                seconds = time_round(lambda: dist.all_reduce(tensor, group=group), torus, iters)
                 medians.setdefault(name, []).append(seconds)
         for name in ("gloo", "torus"):
             medians[name] = statistics.median(medians[name])
@@ -101,7 +97,7 @@ def run_shape(shape, sizes, args, port):
                                                       results)) for rank in range(world)]
     for process in processes:
         process.start()
-    rows = results.get()
+    rows = results.get(timeout=1800)  # a rank that died leaves no row: fail, do not hang
     for process in processes:
         process.join()
     return rows

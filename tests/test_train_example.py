@@ -4,23 +4,17 @@ resumes by itself, micro-batches change nothing, and bad arguments fail with one
 
 import csv
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from multiprocess import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
 TINY = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-per-rank", "32",
         "--base-lr", "1.0", "--print-every", "1000"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args, processes=2, timeout=180):
@@ -69,6 +63,15 @@ def test_resume_ends_where_a_straight_run_does(tmp_path):
     assert a["metrics"][-1]["train_loss"] == b["metrics"][-1]["train_loss"]
 
 
+def test_stop_at_an_epoch_boundary_keeps_its_evaluation(tmp_path):
+    """--stop-after-steps on an epoch's last step still evaluates that epoch before stopping."""
+    output = str(tmp_path / "run")
+    torchrun([*TINY, "--epochs", "2", "--output", output, "--stop-after-steps", "4"])
+    assert [row["epoch"] for row in metrics(output)] == ["1"]
+    torchrun([*TINY, "--epochs", "2", "--output", output, "--resume"])
+    assert [row["epoch"] for row in metrics(output)] == ["1", "2"]
+
+
 def test_resume_mid_epoch(tmp_path):
     """Stopped after 6 steps (epoch 2 of 4-step epochs, step 2), resumed: the same end."""
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
@@ -104,6 +107,7 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
         (["--dataset", "fashion-mnist", "--fashion-mnist-root", str(tmp_path)],
          "install the Debian package dataset-fashion-mnist"),
         ([*TINY, "--resume", "--output", str(tmp_path / "none")], "--resume: no checkpoint"),
+        ([*TINY, "--recipe", "mlperf_lars"], "--batch-per-rank does not apply"),
     ]
     for args, message in cases:
         result = run_single(args)
@@ -111,7 +115,8 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
     # MLPerf's global batch of 3264 does not split across 5 ranks: rank 0 says so, the others
     # leave quietly, all before a process group exists (one would wait for the 4 missing ranks
     # until the 60 s timeout of run_single).
-    args = [*TINY, "--recipe", "mlperf_lars"]
+    args = [arg for arg in TINY if arg not in ("--batch-per-rank", "32")]
+    args += ["--recipe", "mlperf_lars"]
     first = run_single(args, rank=0, world_size=5)
     other = run_single(args, rank=3, world_size=5)
     assert first.returncode == other.returncode == 2

@@ -4,11 +4,8 @@
 
 namespace torch_bigbatch::torus {
 
-FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple) : multiple_(multiple) {
-  // Detached aliases (the same memory, no autograd links): the engines' worker threads may drop
-  // the last reference to what they are given, and a reference to the caller's tensor would
-  // release its Python object there, which needs the GIL: fatal while the interpreter exits.
-  for (const auto& tensor : tensors) tensors_.push_back(tensor.detach());
+FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple)
+    : tensors_(std::move(tensors)), multiple_(multiple) {
   int64_t total = 0;
   for (const auto& tensor : tensors_) total += tensor.numel();
   int64_t padded = (total + multiple - 1) / multiple * multiple;

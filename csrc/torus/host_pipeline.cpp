@@ -127,10 +127,13 @@ void HostPipeline::run() {
       }
       if (!segments_.empty() && Clock::now() >= segments_.front().op->deadline) {
         const Segment& late = segments_.front();
+        // The first phase not done; one not issued yet counts as not done.
+        auto done = [&](int phase) {
+          return !active_[phase] ||
+                 (late.work[phase] && late.work[phase]->getFuture()->completed());
+        };
         int phase = first_phase_;
-        while (phase < last_phase_ &&
-               (!active_[phase] || late.work[phase]->getFuture()->completed()))
-          phase += 1;
+        while (phase < last_phase_ && done(phase)) phase += 1;
         TORCH_CHECK(false, "torus allreduce timed out after ", timeout_.count(), " ms: ",
                     shape_.describe(), " waits for the ", phase_name(phase), ", segment ",
                     late.index + 1, " of ", late.count);

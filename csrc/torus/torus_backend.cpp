@@ -88,6 +88,11 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                                                              const c10d::ReduceOp& op,
                                                              c10d::OpType op_type,
                                                              const char* collective) {
+  // Detached aliases from here on (the same memory, no autograd links): engine threads and the
+  // progress thread may drop the last reference to what they hold, and a reference to the
+  // caller's tensor would release its Python object there, which needs the GIL: fatal while
+  // the interpreter exits.
+  for (auto& tensor : tensors) tensor = tensor.detach();
   const at::Tensor& first = tensors.front();
   int64_t bytes = 0;
   for (const auto& tensor : tensors) {

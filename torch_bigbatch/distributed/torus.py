@@ -85,8 +85,7 @@ def _gloo_group(store, rank, size, timeout, threads):
 
 
 def _nccl_group(store, rank, size, timeout, threads):
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
+    options = dist.ProcessGroupNCCL.Options()  # NCCL sizes its own threads
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
