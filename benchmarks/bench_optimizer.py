@@ -23,8 +23,6 @@ import torch
 import torch_bigbatch
 from common import DTYPES, argument_parser, device_name, median_ms, pick_devices, write_csv
 
-RESNET50_TENSORS = 161
-RESNET50_NUMEL = 25_557_032
 HYPERPARAMETERS = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}
 VARIANTS = {
     "torch foreach": lambda params: torch.optim.SGD(params, foreach=True, **HYPERPARAMETERS),
@@ -35,23 +33,6 @@ BASELINE = "torch fused"
 COPY_BYTES = 512 * 2**20
 CSV_FIELDS = ["device", "dtype", "variant", "ms_per_step", "speedup_vs_torch_fused",
               "gb_per_s", "pct_of_copy"]
-
-
-def resnet50_shapes():
-    """The shapes of torchvision's resnet50() parameters, in named_parameters() order."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
-    in_channels = 64
-    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3)):
-        out_channels = width * 4  # Bottleneck.expansion
-        for block in range(blocks):
-            shapes += [(width, in_channels, 1, 1), (width,), (width,),  # conv1, bn1
-                       (width, width, 3, 3), (width,), (width,),  # conv2, bn2
-                       (out_channels, width, 1, 1), (out_channels,), (out_channels,)]  # conv3, bn3
-            if block == 0:  # downsample: conv, bn
-                shapes += [(out_channels, in_channels, 1, 1), (out_channels,), (out_channels,)]
-            in_channels = out_channels
-    shapes += [(1000, 2048), (1000,)]  # fc
-    return shapes
 
 
 def make_params(shapes, grads, device, dtype):
@@ -89,7 +70,7 @@ def bench_device(shapes, device, dtype, min_run_time, rounds):
     timings = {name: statistics.median(times) for name, times in per_round.items()}
     del optimizers
 
-    step_bytes = 5 * RESNET50_NUMEL * dtype.itemsize
+    step_bytes = 5 * sum(torch.Size(shape).numel() for shape in shapes) * dtype.itemsize
     copy = copy_gb_per_s(device, min_run_time)
     rows = []
     for name, ms in timings.items():
@@ -117,10 +98,8 @@ def print_table(rows, copies):
 def main():
     args = argument_parser(__doc__, min_run_time=3.0, rounds=5).parse_args()
     devices = pick_devices(args.device)
-    shapes = resnet50_shapes()
+    shapes = [parameter.shape for parameter in torch_bigbatch.models.resnet50().parameters()]
     numel = sum(torch.Size(shape).numel() for shape in shapes)
-    assert len(shapes) == RESNET50_TENSORS, len(shapes)
-    assert numel == RESNET50_NUMEL, numel
 
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)

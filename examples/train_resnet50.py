@@ -53,9 +53,11 @@ def get_args_parser():
     parser.add_argument("--epochs", type=int,
                         help="train this many epochs, the recipe's schedule shrunk to fit")
     parser.add_argument("--batch-per-rank", type=int, help="samples per rank per step")
-    parser.add_argument("--base-lr", type=float, help="LR per --base-batch samples")
+    parser.add_argument("--base-lr", type=float,
+                        help="LR per the recipe's base batch (256 samples in goyal2017)")
     parser.add_argument("--bn-group-size", type=int,
-                        help="samples per BatchNorm group (0: nn.BatchNorm2d); default the recipe's")
+                        help="samples per BatchNorm group (0: nn.BatchNorm2d; default: the "
+                        "recipe's)")
     parser.add_argument("--max-local-batch", type=int, default=0,
                         help="accumulate gradients over micro-batches of at most this size")
     parser.add_argument("--backend", default="torus", help="torus (default), gloo or nccl")
@@ -85,6 +87,9 @@ class Setup:
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.dataset = args.dataset or ("imagenet" if args.data else "fashion-mnist")
         recipe = bb.recipes.get_recipe(args.recipe)
+        if recipe.global_batch and args.batch_per_rank:
+            raise ValueError(f"{recipe.name} fixes the global batch at {recipe.global_batch}: "
+                             "--batch-per-rank does not apply to it")
         if args.epochs:
             recipe = recipe.shortened(args.epochs)
         changes = {"batch_per_rank": args.batch_per_rank, "base_lr": args.base_lr,
@@ -131,7 +136,8 @@ def load_data(setup, args):
     ImageFolder datasets for ImageNet."""
     if setup.dataset == "fashion-mnist":
         return (bb.data.load_fashion_mnist("train", args.fashion_mnist_root),
-                bb.data.load_fashion_mnist("test", args.fashion_mnist_root), 10, 1)
+                bb.data.load_fashion_mnist("test", args.fashion_mnist_root),
+                bb.data.fashion_mnist.CLASSES, 1)
     if setup.dataset == "synthetic":
         images, labels = bb.data.synthetic_images(args.synthetic_size * 5 // 4, seed=args.seed)
         split = args.synthetic_size
@@ -171,19 +177,20 @@ def micro_batches(images, labels, size):
 
 def train_step(model, criterion, optimizer, images, labels, setup, args, autocast):
     """One optimizer step over this rank's batch (accumulated over micro-batches, with DDP's
-    allreduce only after the last); returns the batch's mean loss."""
+    allreduce only after the last); returns the batch's mean loss as a tensor on the device
+    (no host synchronization here)."""
     parts = micro_batches(images, labels, args.max_local_batch)
-    total = 0.0
+    memory_format = torch.channels_last if setup.device.type == "cuda" else torch.preserve_format
+    total = torch.zeros((), device=setup.device)
     for index, (x, y) in enumerate(parts):
-        x = x.to(setup.device, non_blocking=True)
+        x = x.to(setup.device, memory_format=memory_format, non_blocking=True)
         y = y.to(setup.device, non_blocking=True)
-        if setup.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
         last = index == len(parts) - 1
-        with (contextlib.nullcontext() if last else model.no_sync()), autocast():
-            loss = criterion(model(x), y) * (len(y) / len(labels))
+        with contextlib.nullcontext() if last else model.no_sync():
+            with autocast():
+                loss = criterion(model(x), y) * (len(y) / len(labels))
             loss.backward()
-        total += loss.item()
+        total += loss.detach().float()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
@@ -199,14 +206,14 @@ def evaluate(model, test, setup, args, autocast):
     else:
         loader = torch.utils.data.DataLoader(torch.utils.data.Subset(test, shard.tolist()),
                                              batch_size=100, num_workers=args.workers)
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device=setup.device)  # loss, correct, count
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for x, y in loader:
         x, y = x.to(setup.device), y.to(setup.device)
         with autocast():
             logits = model(x).float()
-        sums += torch.tensor([criterion(logits, y).item(), (logits.argmax(1) == y).sum().item(),
-                              len(y)], dtype=torch.float64)
+        sums += torch.stack([criterion(logits, y), (logits.argmax(1) == y).sum(),
+                             torch.tensor(len(y), device=setup.device)]).double()
     dist.all_reduce(sums)
     model.train()
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
@@ -265,7 +272,7 @@ def main():
 
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
-    else:
+    elif "OMP_NUM_THREADS" not in os.environ:  # share the cores among this node's ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.local_world_size))
     if "MASTER_ADDR" not in os.environ:  # a plain `python train_resnet50.py`: one process
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -291,18 +298,22 @@ def main():
 
     # This rank's [sum, count] of step losses in the epoch; a run resumed mid-epoch puts the
     # checkpoint's totals (all ranks') on rank 0, so the epoch's all_reduce still sums them all.
-    start_epoch, start_step, rows, resumed_loss = 0, 0, [], torch.zeros(2, dtype=torch.float64)
+    def zero_loss():
+        return torch.zeros(2, dtype=torch.float64, device=setup.device)
+
+    start_epoch, start_step, rows, resumed_loss = 0, 0, [], zero_loss()
     if setup.resume:
-        # Our own file, holding the recipe's dataclasses: not a weights-only checkpoint.
-        state = torch.load(setup.checkpoint, map_location=setup.device, weights_only=False)
+        state = torch.load(setup.checkpoint, map_location=setup.device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, start_step, rows = state["epoch"], state["step"], state["metrics"]
         if setup.rank == 0:
             resumed_loss = state["epoch_loss"]
-        if start_epoch < recipe.epochs and start_step == iterations[start_epoch]:
-            start_epoch, start_step, resumed_loss = start_epoch + 1, 0, resumed_loss.zero_()
+        if start_step == iterations[start_epoch]:  # an epoch-end checkpoint: its row is in
+            start_epoch, start_step, resumed_loss = start_epoch + 1, 0, zero_loss()
+    # DDP broadcasts rank 0's BatchNorm buffers (running statistics) at every step, as torch's
+    # reference recipe does: evaluation and rank 0's checkpoints then see what every rank has.
     ddp = DistributedDataParallel(model, device_ids=[setup.device.index]
                                   if setup.device.type == "cuda" else None)
 
@@ -327,53 +338,59 @@ def main():
               f"{recipe.epochs} epochs" + (f", resumed at epoch {start_epoch + 1} step "
                                            f"{start_step}" if setup.resume else ""), flush=True)
     total_images = sum(iterations[e] * schedule(e) for e in range(start_epoch, recipe.epochs))
-    done_images, run_start, epochs_run, steps_run, stopped = 0, time.time(), 0, 0, False
+    total_images -= start_step * schedule(start_epoch) if start_epoch < recipe.epochs else 0
+    done_images, run_start, epochs_run, steps_run = 0, time.time(), 0, 0
+    stop_mid_epoch = stop_at_epoch_end = False
     for epoch in range(start_epoch, recipe.epochs):
         resuming = epoch == start_epoch
         first = start_step if resuming else 0  # batches done before the checkpoint resumed from
         sampler.set_epoch(epoch, first_batch=first)
-        epoch_start, seen = time.time(), 0
-        epoch_loss = resumed_loss.clone() if resuming else torch.zeros(2, dtype=torch.float64)
+        epoch_start = time.time()
+        epoch_loss = resumed_loss.clone() if resuming else zero_loss()
         for step, (images, labels) in enumerate(batches(train, sampler, args.workers), first):
             loss = train_step(ddp, criterion, optimizer, images, labels, setup, args, autocast)
-            epoch_loss += torch.tensor([loss, 1.0], dtype=torch.float64)
+            epoch_loss += torch.stack([loss.double(), torch.ones_like(epoch_loss[0])])
             lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
             scheduler.step()
-            seen += schedule(epoch)
             done_images += schedule(epoch)
-            if setup.rank == 0 and ((step + 1) % args.print_every == 0
-                                    or step + 1 == iterations[epoch]):
+            last = step + 1 == iterations[epoch]
+            if setup.rank == 0 and ((step + 1) % args.print_every == 0 or last):
                 rate = done_images / (time.time() - run_start)
                 print(f"epoch {epoch + 1}/{recipe.epochs} step {step + 1}/{iterations[epoch]} "
-                      f"loss {loss:.4f} lr {lr:.4g} "
-                      f"batch {schedule(epoch)} {rate:.0f} img/s "
-                      f"ETA {format_seconds((total_images - done_images) / rate)}", flush=True)
+                      f"loss {loss.item():.4f} lr {lr:.4g} batch {schedule(epoch)} "
+                      f"{rate:.0f} img/s ETA {format_seconds((total_images - done_images) / rate)}",
+                      flush=True)
             steps_run += 1
-            stopped = steps_run == args.stop_after_steps
-            if stopped or args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            stopping = steps_run == args.stop_after_steps
+            # At the epoch's last step, the epoch-end checkpoint (after evaluation) does it all.
+            if not last and (stopping or args.checkpoint_every
+                             and (step + 1) % args.checkpoint_every == 0):
                 checkpoint(epoch, step + 1, epoch_loss)
-            if stopped:
+            stop_mid_epoch = stopping and not last
+            stop_at_epoch_end = stopping and last
+            if stop_mid_epoch:
                 break
-        if stopped:
+        if stop_mid_epoch:
             break
+        train_seconds = time.time() - epoch_start
         train_loss = epoch_loss.clone()
         dist.all_reduce(train_loss)
         test_loss, accuracy = evaluate(model, test, setup, args, autocast)
-        seconds = time.time() - epoch_start
         rows.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
                      "test_loss": test_loss, "test_accuracy": accuracy,
                      "lr": lr, "global_batch": schedule(epoch),
-                     "images_per_second": seen / seconds, "seconds": seconds})
-        checkpoint(epoch, iterations[epoch], torch.zeros(2, dtype=torch.float64))
+                     "images_per_second": (iterations[epoch] - first) * schedule(epoch)
+                     / train_seconds, "seconds": time.time() - epoch_start})
+        checkpoint(epoch, iterations[epoch], zero_loss())
         if setup.rank == 0:
             write_metrics(args.output, rows)
             print(f"epoch {epoch + 1}: train loss {rows[-1]['train_loss']:.4f}, test loss "
-                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% ({seconds:.0f} s)",
-                  flush=True)
+                  f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% "
+                  f"({rows[-1]['seconds']:.0f} s)", flush=True)
         epochs_run += 1
-        if args.stop_after_epochs and epochs_run == args.stop_after_epochs:
+        if stop_at_epoch_end or epochs_run == args.stop_after_epochs:
             break
-    if setup.rank == 0 and stopped:
+    if setup.rank == 0 and stop_mid_epoch:
         print(f"stopped after {steps_run} steps, checkpoint in {setup.checkpoint}", flush=True)
     elif setup.rank == 0 and rows:
         finished = "finished" if rows[-1]["epoch"] == recipe.epochs else "stopped"

@@ -3,7 +3,6 @@ a hand-made IDX file; the synthetic images."""
 
 import gzip
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,14 +23,14 @@ def test_reads_the_debian_package():
 
 
 def test_read_idx(tmp_path):
-    array = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    array = torch.arange(24, dtype=torch.uint8).reshape(2, 3, 4)
     path = tmp_path / "a.gz"
-    header = bytes([0, 0, 8, 3]) + np.array([2, 3, 4], dtype=">u4").tobytes()
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (2, 3, 4))
     with gzip.open(path, "wb") as file:
-        file.write(header + array.tobytes())
-    assert np.array_equal(read_idx(path), array)
+        file.write(header + bytes(array.flatten().tolist()))
+    assert torch.equal(read_idx(path), array)
     with gzip.open(path, "wb") as file:
-        file.write(bytes([0, 0, 9, 1]) + array.tobytes())
+        file.write(bytes([0, 0, 9, 1]) + bytes(24))
     with pytest.raises(ValueError, match="not an IDX file of unsigned bytes"):
         read_idx(path)
 

@@ -1,7 +1,6 @@
 """The paper presets: their numbers at a world size, and what they build."""
 
 import pytest
-import torch
 from torch import nn
 
 import torch_bigbatch as bb
@@ -66,4 +65,10 @@ def test_unknown_recipe():
 def test_replace_keeps_presets_unchanged():
     changed = goyal2017.replace(batch_per_rank=64)
     assert changed.batch_size_schedule(4)(0) == 256 and goyal2017.batch_per_rank == 32
-    assert isinstance(torch.nn.CrossEntropyLoss(), nn.Module)
+
+
+def test_no_warmup_above_the_peak():
+    """Below the base batch the peak LR is under base_lr: the warmup must not start above it."""
+    recipe = goyal2017.replace(batch_per_rank=8)  # global batch 16 on 2 ranks: peak 0.00625
+    scheduler = recipe.build_scheduler(recipe.build_optimizer(tiny_model(), 2), 10, 2)
+    assert max(scheduler.factor(i) for i in range(900)) == pytest.approx(1.0)

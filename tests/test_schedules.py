@@ -104,6 +104,11 @@ def test_resume_from_state_dict():
     resumed.optimizer.load_state_dict(first.optimizer.state_dict())
     resumed.load_state_dict(state)
     assert lrs(resumed, 23) == pytest.approx(expected[37:])
+    # The state is the progress only: a scheduler built for another schedule keeps its own.
+    assert set(state) == {"last_epoch", "_step_count", "_last_lr"}
+    longer = LargeBatchLR(optimizer(3.2), 10, 180, warmup_epochs=5, warmup_start_factor=1 / 32)
+    longer.load_state_dict(state)
+    assert longer.epochs == 180 and longer.epoch_starts[-1] == 1800 and longer.last_epoch == 37
 
 
 def test_bad_arguments():

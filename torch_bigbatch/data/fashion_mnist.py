@@ -1,10 +1,10 @@
 """Fashion-MNIST from the Debian package dataset-fashion-mnist (the IDX files, gzipped, under
-/usr/share/datasets/fashion-mnist), read with numpy: no download, no torchvision."""
+/usr/share/datasets/fashion-mnist), read with torch: no download, no torchvision."""
 
+import functools
 import gzip
 import os
 
-import numpy as np
 import torch
 
 DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -21,14 +21,28 @@ def missing_files(root=DEFAULT_ROOT):
 
 
 def read_idx(path):
-    """An IDX array (big-endian header: 0, 0, type 0x08 = uint8, number of dims; the sizes)."""
+    """An IDX array of unsigned bytes as a uint8 tensor (big-endian header: 0, 0, type 0x08,
+    the number of dims; then the sizes as 32-bit integers)."""
     with gzip.open(path, "rb") as file:
         data = file.read()
     if data[:3] != b"\x00\x00\x08":
         raise ValueError(f"{path} is not an IDX file of unsigned bytes")
     dims = data[3]
-    sizes = np.frombuffer(data, dtype=">u4", count=dims, offset=4)
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(sizes)
+    sizes = [int.from_bytes(data[4 + 4 * d:8 + 4 * d], "big") for d in range(dims)]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 + 4 * dims).view(sizes)
+
+
+def _read_split(split, root):
+    images_file, labels_file = FILES[split]
+    return (read_idx(os.path.join(root, images_file)),
+            read_idx(os.path.join(root, labels_file)).long())
+
+
+@functools.lru_cache(maxsize=4)
+def _training_statistics(root):
+    """Mean and standard deviation of the training images, in [0, 1] units."""
+    images = _read_split("train", root)[0].double() / 255
+    return images.mean().item(), images.std(correction=0).item()
 
 
 def load_fashion_mnist(split, root=DEFAULT_ROOT):
@@ -40,10 +54,6 @@ def load_fashion_mnist(split, root=DEFAULT_ROOT):
     if missing:
         raise FileNotFoundError(f"Fashion-MNIST files missing: {', '.join(missing)} (install "
                                 "the Debian package dataset-fashion-mnist)")
-    train = read_idx(os.path.join(root, FILES["train"][0]))
-    mean, std = train.mean() / 255, train.std() / 255
-    images_file, labels_file = FILES[split]
-    images = read_idx(os.path.join(root, images_file)) if split != "train" else train
-    labels = read_idx(os.path.join(root, labels_file))
-    images = torch.from_numpy(images.astype(np.float32) / 255).sub_(mean).div_(std)
-    return images.unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+    mean, std = _training_statistics(root)
+    images, labels = _read_split(split, root)
+    return images.float().div_(255).sub_(mean).div_(std).unsqueeze(1), labels

@@ -31,7 +31,6 @@ class BasicBlock(nn.Module):
         self.conv2 = conv3x3(width, width)
         self.bn2 = norm_layer(width)
         self.downsample = downsample
-        self.stride = stride
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -54,7 +53,6 @@ class Bottleneck(nn.Module):
         self.bn3 = norm_layer(width * self.expansion)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
-        self.stride = stride
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)

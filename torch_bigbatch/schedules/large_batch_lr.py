@@ -27,8 +27,11 @@ class LargeBatchLR(LRScheduler):
     at each epoch's batch: times schedule.lr_factor(epoch).
 
     iterations_per_epoch is an int, or one int per epoch when the batch size changes.
-    state_dict() holds the iteration, so a resumed job continues where it stopped.
+    state_dict() holds the progress only (the iteration), not the configuration: a resumed job
+    continues where it stopped on the schedule it is constructed with.
     """
+
+    PROGRESS = ("last_epoch", "_step_count", "_last_lr")
 
     def __init__(self, optimizer, iterations_per_epoch, epochs, warmup="gradual",
                  warmup_epochs=5.0, warmup_start_factor=0.0, decay="step",
@@ -81,6 +84,12 @@ class LargeBatchLR(LRScheduler):
         if self.decay == "cosine":
             return scale * (1 + math.cos(math.pi * t)) / 2
         return scale
+
+    def state_dict(self):
+        return {key: self.__dict__[key] for key in self.PROGRESS}
+
+    def load_state_dict(self, state_dict):
+        self.__dict__.update({key: state_dict[key] for key in self.PROGRESS})
 
     def get_lr(self):
         factor = self.factor(self.last_epoch)
