@@ -148,3 +148,12 @@ def test_command_line(tmp_path, capsys):
     _, _, calibration = cost_model.calibrate(measured, cores=2)
     for row in calibration:  # rows made by the model: model and measurement agree
         assert row["model_ms"] == pytest.approx(row["measured_ms"])
+
+
+def test_best_row_length():
+    """Latency only: 2(X-1) + 2(4096/X - 1) steps are fewest at X = 64, the square root; with
+    the full gradient the model keeps ABCI's rows inside a node until a thousand GPUs."""
+    assert cost_model.best_columns(ABCI, 4096, 0) == 64
+    assert cost_model.best_columns(ABCI, 1024, cost_model.RESNET50_GRADIENT_BYTES) == 4
+    rows = cost_model.projection(ABCI, [4096])
+    assert rows[0]["best_torus_ms"] <= rows[0]["torus_ms"]

@@ -166,6 +166,15 @@ def tuned_pipelined_time(hardware, ranks, nbytes):
                           segment_bytes=best_segment_bytes(hardware, ranks, nbytes))
 
 
+def best_columns(hardware, ranks, nbytes):
+    """The row length X (dividing a node, or whole nodes) whose torus the model finds fastest:
+    wider rows cut the column's steps, at the price of rows that leave the node."""
+    node = hardware.gpus_per_node
+    choices = [x for x in range(1, ranks + 1)
+               if ranks % x == 0 and (node % x == 0 or x % node == 0)]
+    return min(choices, key=lambda x: torus_time(hardware, ranks, nbytes, x))
+
+
 MODELS = {"ring": ring_time, "hierarchical": hierarchical_time, "torus": torus_time,
           "pipelined": tuned_pipelined_time}
 
@@ -252,6 +261,8 @@ def projection(hardware, gpu_counts, nbytes=RESNET50_GRADIENT_BYTES, compute_ms=
             row[f"{algorithm}_efficiency"] = scaling_efficiency(compute, seconds) \
                 if compute > 0 else float("nan")
         row["segment_mib"] = best_segment_bytes(hardware, ranks, nbytes) / 2**20
+        row["best_columns"] = best_columns(hardware, ranks, nbytes)
+        row["best_torus_ms"] = torus_time(hardware, ranks, nbytes, row["best_columns"]) * 1e3
         rows.append(row)
     return rows
 
@@ -260,12 +271,15 @@ def print_projection(hardware, rows, nbytes, compute_ms):
     print(f"\n{hardware.name}: allreduce of {nbytes / 1e6:.1f} MB (ms), and scaling efficiency "
           f"with {compute_ms:g} ms of compute per step and no overlap")
     header = " | ".join(f"{name:>12}" for name in ALGORITHMS)
+    print("(torus: X = the GPUs of a node; pipelined: at the segment size printed; best X: the "
+          "row length the model finds fastest)")
     print(f"{'GPUs':>5} | {header} | " + " | ".join(f"{'eff ' + n[:8]:>12}" for n in ALGORITHMS)
-          + " | segment MiB")
+          + " | segment MiB | best X | its ms")
     for row in rows:
         times = " | ".join(f"{row[f'{name}_ms']:12.2f}" for name in ALGORITHMS)
         efficiency = " | ".join(f"{row[f'{name}_efficiency']:12.1%}" for name in ALGORITHMS)
-        print(f"{row['gpus']:>5} | {times} | {efficiency} | {row['segment_mib']:11.1f}")
+        print(f"{row['gpus']:>5} | {times} | {efficiency} | {row['segment_mib']:11.1f} | "
+              f"{row['best_columns']:>6} | {row['best_torus_ms']:6.2f}")
 
 
 def print_calibration(alpha, beta, table):
@@ -366,7 +380,7 @@ def main(argv=None):
     if args.csv:
         with open(args.csv, "w", newline="") as file:
             fields = ["hardware", "gpus"] + [f"{name}_{kind}" for name in ALGORITHMS
-                                             for kind in ("ms", "efficiency")] + ["segment_mib"]
+                                             for kind in ("ms", "efficiency")] + ["segment_mib", "best_columns", "best_torus_ms"]
             writer = csv.DictWriter(file, fieldnames=fields)
             writer.writeheader()
             for hardware, rows in projections:
