@@ -112,8 +112,6 @@ def train_run(variant, k, settings, state_dir, stop_after_epochs=None):
     images, labels = dataset("train", settings.train_size)
     batch = WORKER_BATCH * k
     iterations = len(labels) // batch  # drop_last, as the DistributedBatchSampler does
-    if iterations == 0:
-        raise ValueError(f"{len(labels)} training images make no batch of {batch}")
     torch.manual_seed(settings.seed)  # the same initial weights in every run
     model = resnet_small(bn_group_size=recipe.bn_group_size,
                          zero_init_residual=recipe.zero_init_residual)
@@ -312,9 +310,10 @@ def settings_from(args):
     train_size = args.train_size or preset["train_size"]
     if epochs < 1 or ks[0] < 1 or args.jobs < 1 or args.points < 1:
         raise SystemExit("--epochs, --ks, --jobs and --points must be positive")
-    if train_size is not None and not WORKER_BATCH * ks[-1] <= train_size <= 60000:
-        raise SystemExit(f"--train-size must be in [{WORKER_BATCH * ks[-1]}, 60000] "
-                         f"(one batch of the largest k), got {train_size}")
+    if not WORKER_BATCH * ks[-1] <= (train_size or 60000) <= 60000:
+        raise SystemExit(f"--train-size must hold a batch of the largest k ({WORKER_BATCH} x "
+                         f"{ks[-1]} = {WORKER_BATCH * ks[-1]}) and at most 60000 images, got "
+                         f"{train_size or 60000}")
     if args.test_size is not None and not 1 <= args.test_size <= 10000:
         raise SystemExit(f"--test-size must be in [1, 10000], got {args.test_size}")
     return Settings(epochs, train_size, args.test_size, args.seed, args.points), ks

@@ -379,8 +379,9 @@ def main(argv=None):
         print_calibration(*calibration)
     if args.csv:
         with open(args.csv, "w", newline="") as file:
-            fields = ["hardware", "gpus"] + [f"{name}_{kind}" for name in ALGORITHMS
-                                             for kind in ("ms", "efficiency")] + ["segment_mib", "best_columns", "best_torus_ms"]
+            fields = ["hardware", "gpus"]
+            fields += [f"{name}_{kind}" for name in ALGORITHMS for kind in ("ms", "efficiency")]
+            fields += ["segment_mib", "best_columns", "best_torus_ms"]
             writer = csv.DictWriter(file, fieldnames=fields)
             writer.writeheader()
             for hardware, rows in projections:
