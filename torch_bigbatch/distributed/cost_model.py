@@ -66,12 +66,13 @@ class Hardware:
 GB = 1e9
 PRESETS = {
     # Mikami et al. 2018's ABCI node: 4 V100 (NVLink 2, 50 GB/s per pair) and two InfiniBand
-    # EDR links (100 Gb/s each). Compute: V100, fp16, 32 images forward and backward.
+    # EDR links (100 Gb/s each). Compute, an assumption (--compute-ms changes it): 32 images
+    # forward and backward on a V100 in fp16 at about 700 images/s.
     "abci-v100": Hardware("abci-v100", gpus_per_node=4, intra_alpha=5e-6, intra_bandwidth=50 * GB,
                           inter_alpha=10e-6, inter_bandwidth=2 * 12.5 * GB, nics=2,
                           compute_ms=45.0),
     # DGX H100: 8 H100 on NVLink 4 (about 360 GB/s per GPU as NCCL reaches it) and eight
-    # 400 Gb/s NICs. Compute: H100, bf16, 32 images forward and backward.
+    # 400 Gb/s NICs. Compute, an assumption: 32 images on an H100 in bf16 at about 2,700/s.
     "dgx-h100": Hardware("dgx-h100", gpus_per_node=8, intra_alpha=3e-6,
                          intra_bandwidth=360 * GB, inter_alpha=8e-6,
                          inter_bandwidth=8 * 50 * GB, nics=8, compute_ms=12.0),
