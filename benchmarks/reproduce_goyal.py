@@ -27,7 +27,6 @@ fig2_warmup.png and fig3_batch_sizes.png.
 
 import argparse
 import concurrent.futures
-import csv
 import dataclasses
 import functools
 import json
@@ -37,6 +36,7 @@ import time
 
 import torch
 
+from common import write_csv
 from torch_bigbatch.data import load_fashion_mnist
 from torch_bigbatch.models import resnet_small
 from torch_bigbatch.recipes import goyal2017
@@ -134,16 +134,16 @@ def train_run(variant, k, settings, state_dir, stop_after_epochs=None):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(
             settings.seed + epoch))[:iterations * batch].view(iterations, batch)
         for segment in segments:
-            total = 0.0
+            total = torch.zeros((), dtype=torch.float64)  # as a float sum: no sync per step
             for step in segment.tolist():
                 loss = criterion(model(images[order[step]]), labels[order[step]])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
-                total += loss.item()
+                total += loss.detach()
             state["curve"].append((epoch + (segment[-1].item() + 1) / iterations,
-                                   total / len(segment)))
+                                   total.item() / len(segment)))
         state["seconds"] += time.perf_counter() - start
         state["epoch"] = epoch + 1
         save_atomically(checkpoint_path, lambda path: torch.save(
@@ -202,18 +202,14 @@ def load_results(variants, ks, state_dir):
 
 
 def write_tables(results, output):
-    with open(os.path.join(output, "reproduce_goyal.csv"), "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=RESULT_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for (variant, _), result in results.items():
-            writer.writerow({"variant": variant, **result})
-    with open(os.path.join(output, "curves.csv"), "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=CURVE_FIELDS)
-        writer.writeheader()
-        for (variant, k), result in results.items():
-            for epoch, loss in result["curve"]:
-                writer.writerow({"variant": variant, "k": k, "batch": result["batch"],
-                                 "epoch": round(epoch, 4), "train_loss": loss})
+    write_csv(os.path.join(output, "reproduce_goyal.csv"),
+              [{"variant": variant, **{field: result[field] for field in RESULT_FIELDS[1:]}}
+               for (variant, _), result in results.items()], RESULT_FIELDS)
+    write_csv(os.path.join(output, "curves.csv"),
+              [{"variant": variant, "k": k, "batch": result["batch"], "epoch": round(epoch, 4),
+                "train_loss": loss}
+               for (variant, k), result in results.items() for epoch, loss in result["curve"]],
+              CURVE_FIELDS)
 
 
 def print_table(results, variants, ks):

@@ -16,6 +16,7 @@ import torch_bigbatch as bb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "reproduce_goyal.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the script imports benchmarks/common.py
 spec = importlib.util.spec_from_file_location("reproduce_goyal", SCRIPT)
 reproduce_goyal = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(reproduce_goyal)

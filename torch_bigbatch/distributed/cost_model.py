@@ -31,10 +31,11 @@ import dataclasses
 import math
 import os
 
+from .torus import TorusOptions
+
 RESNET50_PARAMETERS = 25_557_032  # torchvision's resnet50: 25.6M fp32 gradients
 RESNET50_GRADIENT_BYTES = 4 * RESNET50_PARAMETERS
-ALGORITHMS = ("ring", "hierarchical", "torus", "pipelined")
-SEGMENT_BYTES = 16 << 20  # TorusOptions.segment_bytes' default
+SEGMENT_BYTES = TorusOptions.segment_bytes  # the backend's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,7 @@ def best_columns(hardware, ranks, nbytes):
 
 MODELS = {"ring": ring_time, "hierarchical": hierarchical_time, "torus": torus_time,
           "pipelined": tuned_pipelined_time}
+ALGORITHMS = tuple(MODELS)
 
 
 def allreduce_time(algorithm, hardware, ranks, nbytes=RESNET50_GRADIENT_BYTES):
@@ -332,15 +334,17 @@ def plot(projections, calibration, path):
     axes[0].legend(fontsize=7)
     if calibration:
         alpha, beta, table = calibration
+        rank_counts = sorted({row["ranks"] for row in table})
         for backend, color in (("gloo", "tab:blue"), ("torus", "tab:red")):
-            for ranks in sorted({row["ranks"] for row in table}):
+            for ranks in rank_counts:
                 rows = [row for row in table if row["backend"] == backend and
                         row["ranks"] == ranks]
                 sizes = [row["bytes"] for row in rows]
+                shade = 0.3 + 0.7 * ranks / rank_counts[-1]  # darker: more ranks
                 axes[2].plot(sizes, [row["measured_ms"] for row in rows], "o", color=color,
-                             alpha=0.3 + 0.7 * ranks / 16)
+                             alpha=shade)
                 axes[2].plot(sizes, [row["model_ms"] for row in rows], "-", color=color,
-                             alpha=0.3 + 0.7 * ranks / 16, label=f"{backend} {ranks} ranks")
+                             alpha=shade, label=f"{backend} {ranks} ranks")
         axes[2].set_xscale("log", base=2)
         axes[2].set_yscale("log")
         axes[2].set_xlabel("bytes")
