@@ -141,7 +141,7 @@ class CpuPass {
           }
           const int64_t gc = g * L.channels + c;
           const A count = A((L.group_end(g) - L.group_begin(g)) * L.spatial);
-          if (p.backward)
+          if constexpr (kBackward)
             group_backward<A>(p, gc, c, q1, q2, count);
           else
             group_forward<A>(p, gc, c, A(input[L.index(L.group_begin(g), c, 0)]), q1, q2, count);

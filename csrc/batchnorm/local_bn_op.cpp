@@ -1,24 +1,17 @@
 #include "batchnorm/local_bn_op.h"
 
+#include "common/element_type.h"
+
+#include <ATen/OpMathType.h>
+
 namespace torch_bigbatch::batchnorm {
 namespace {
 
 constexpr const char* kOp = "torch_bigbatch::local_batch_norm: ";
 
-ElementType element_type(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ElementType::Float32;
-    case at::kHalf: return ElementType::Float16;
-    case at::kBFloat16: return ElementType::BFloat16;
-    case at::kDouble: return ElementType::Float64;
-    default:
-      TORCH_CHECK_TYPE(false, kOp, "the input must be float32, float16, bfloat16 or float64, got ",
-                       t.scalar_type());
-  }
-}
-
-at::ScalarType accumulate_type(const at::Tensor& input) {
-  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+ElementType input_type(const at::Tensor& input) {
+  return element_type(input, /*accept_double=*/true,
+                      "torch_bigbatch::local_batch_norm: the input");
 }
 
 // The input as the kernels read it: itself when its memory is [N, C, S] (contiguous) or
@@ -29,7 +22,7 @@ std::pair<at::Tensor, BnLayout> as_layout(const at::Tensor& input, int64_t group
               input.layout());
   TORCH_CHECK(input.dim() >= 2, kOp, "the input must have at least 2 dims (N, C, ...), got ",
               input.sizes());
-  element_type(input);
+  input_type(input);
   BnLayout layout;
   layout.batch = input.size(0);
   layout.channels = input.size(1);
@@ -43,11 +36,11 @@ std::pair<at::Tensor, BnLayout> as_layout(const at::Tensor& input, int64_t group
               "channel (size ", input.sizes(), ")");
   layout.group_size = group_size;
   layout.groups = group_count(layout.batch, group_size);
-  if (input.is_contiguous()) return {input, layout};
-  if (input.movedim(1, -1).is_contiguous()) {
-    layout.channels_last = true;
-    return {input, layout};
-  }
+  // With one value per (sample, channel) both layouts are [N, C]: the channels-last kernels,
+  // which run along the channels, suit it; the row kernels would see rows of one value.
+  layout.channels_last = layout.spatial == 1 ||
+                         (!input.is_contiguous() && input.movedim(1, -1).is_contiguous());
+  if (layout.channels_last || input.is_contiguous()) return {input, layout};
   return {input.contiguous(), layout};
 }
 
@@ -66,12 +59,13 @@ at::Tensor per_channel(const std::optional<at::Tensor>& t, const at::Tensor& inp
 at::Tensor start_pass(BnPass& pass, const at::Tensor& x, const BnLayout& layout,
                       const at::Tensor& weight) {
   pass.layout = layout;
-  pass.dtype = element_type(x);
+  pass.dtype = input_type(x);
   pass.input = x.data_ptr();
   pass.weight = weight.defined() ? weight.data_ptr() : nullptr;
   const int64_t samples = 2 * layout.batch * layout.channels;
   const int64_t groups = layout.groups * layout.channels;
-  at::Tensor scratch = at::empty({samples + 5 * groups}, x.options().dtype(accumulate_type(x)));
+  at::Tensor scratch = at::empty({samples + 5 * groups},
+                                 x.options().dtype(at::toOpMathType(x.scalar_type())));
   pass.sample_sums = scratch.data_ptr();
   pass.group_values = scratch.narrow(0, samples, 2 * groups).data_ptr();
   pass.coefficients = scratch.narrow(0, samples + 2 * groups, 3 * groups).data_ptr();
@@ -86,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_forward(
     const std::optional<at::Tensor>& running_var, int64_t group_size, double momentum,
     double eps, RunPass run) {
   auto [x, layout] = as_layout(input, group_size);
-  const at::ScalarType acc = accumulate_type(x);
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
   const int64_t channels = layout.channels;
   const at::Tensor w = per_channel(weight, x, channels, acc, "weight");
   const at::Tensor b = per_channel(bias, x, channels, acc, "bias");
@@ -120,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& invstd, int64_t group_size, RunPass run) {
   auto [x, layout] = as_layout(input, group_size);
-  const at::ScalarType acc = accumulate_type(x);
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
   TORCH_CHECK(grad_output.sizes() == x.sizes() && grad_output.scalar_type() == x.scalar_type() &&
                   grad_output.device() == x.device(),
               kOp, "grad_output (", grad_output.scalar_type(), " ", grad_output.sizes(), " on ",

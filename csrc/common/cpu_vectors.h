@@ -3,6 +3,7 @@
 // type as two vectors of its accumulation type (float; double for double), and back. Forced
 // inline: as calls, they cost the kernels' loops 60% of their speed.
 
+#include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -13,7 +14,7 @@
 namespace torch_bigbatch {
 
 template <typename T>
-using cpu_acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using cpu_acc_t = at::opmath_type<T>;
 
 template <typename T>
 using AccVec = at::vec::Vectorized<cpu_acc_t<T>>;

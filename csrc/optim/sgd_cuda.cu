@@ -3,14 +3,6 @@
 // no host-to-device copy, and a CUDA graph captures the step as it is. Blocks stride over the
 // chunks of all tensors; a binary search over the chunk offsets finds each chunk's tensor.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime_api.h>
-
-#if CUDART_VERSION < 12010
-#error "torch_bigbatch's CUDA kernels need CUDA 12.1+ (kernel parameters over 4 KB) and sm_70+"
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -18,6 +10,10 @@
 
 #include "common/cuda_kernels.cuh"
 #include "sgd_cuda.h"
+
+#if CUDART_VERSION < 12010
+#error "torch_bigbatch's CUDA kernels need CUDA 12.1+ (kernel parameters over 4 KB) and sm_70+"
+#endif
 
 namespace torch_bigbatch::optim {
 namespace {

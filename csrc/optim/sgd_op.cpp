@@ -1,18 +1,9 @@
 #include "sgd_op.h"
 
+#include "common/element_type.h"
+
 namespace torch_bigbatch::optim {
 namespace {
-
-ElementType element_type(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ElementType::Float32;
-    case at::kHalf: return ElementType::Float16;
-    case at::kBFloat16: return ElementType::BFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "torch_bigbatch::sgd_step_: parameters must be float32, float16 or ",
-                       "bfloat16, got ", t.scalar_type());
-  }
-}
 
 // A one-element float32 tensor on `device`, as a pointer the kernel reads, or null.
 const float* scalar_pointer(const std::optional<at::Tensor>& t, const at::Device& device,
@@ -78,7 +69,8 @@ SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorLis
 
   const at::Device device = params[0].device();
   SgdStep step;
-  step.dtype = element_type(params[0]);
+  step.dtype = element_type(params[0], /*accept_double=*/false,
+                            "torch_bigbatch::sgd_step_: parameters");
   step.buffer_mode = !has_buffers ? BufferMode::None
                      : first_step ? BufferMode::First
                                   : BufferMode::Update;

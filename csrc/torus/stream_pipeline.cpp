@@ -7,7 +7,6 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-
 namespace torch_bigbatch::torus {
 namespace {
 
