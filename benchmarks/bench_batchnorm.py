@@ -19,7 +19,6 @@ import os
 import statistics
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import torch_bigbatch as bb

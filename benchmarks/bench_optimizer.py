@@ -70,7 +70,7 @@ def bench_device(shapes, device, dtype, min_run_time, rounds):
     timings = {name: statistics.median(times) for name, times in per_round.items()}
     del optimizers
 
-    step_bytes = 5 * sum(torch.Size(shape).numel() for shape in shapes) * dtype.itemsize
+    step_bytes = 5 * sum(shape.numel() for shape in shapes) * dtype.itemsize
     copy = copy_gb_per_s(device, min_run_time)
     rows = []
     for name, ms in timings.items():
@@ -98,8 +98,9 @@ def print_table(rows, copies):
 def main():
     args = argument_parser(__doc__, min_run_time=3.0, rounds=5).parse_args()
     devices = pick_devices(args.device)
-    shapes = [parameter.shape for parameter in torch_bigbatch.models.resnet50().parameters()]
-    numel = sum(torch.Size(shape).numel() for shape in shapes)
+    with torch.device("meta"):  # the shapes only: no memory, no initialization
+        shapes = [parameter.shape for parameter in torch_bigbatch.models.resnet50().parameters()]
+    numel = sum(shape.numel() for shape in shapes)
 
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)

@@ -22,6 +22,7 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import importlib.util
 import os
 import sys
 import time
@@ -110,6 +111,11 @@ class Setup:
         if args.max_local_batch and group and args.max_local_batch % group:
             raise ValueError(f"--max-local-batch {args.max_local_batch} must be a multiple of "
                              f"the BatchNorm group size {group}")
+        for size in self.schedule.sizes:  # BatchNorm trains on 2 samples or more
+            if args.max_local_batch and size // self.world_size % args.max_local_batch == 1:
+                raise ValueError(f"--max-local-batch {args.max_local_batch} leaves a last "
+                                 f"micro-batch of one sample of the {size // self.world_size} "
+                                 "per rank")
         self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available()
                                    and not args.cpu else "cpu")
 
@@ -120,10 +126,8 @@ class Setup:
             for split in ("train", "val"):
                 if not os.path.isdir(os.path.join(args.data, split)):
                     raise ValueError(f"--data {args.data}: no {split}/ directory in it")
-            try:
-                import torchvision  # noqa: F401
-            except ImportError:
-                raise ValueError("ImageNet needs torchvision: pip install torchvision") from None
+            if importlib.util.find_spec("torchvision") is None:
+                raise ValueError("ImageNet needs torchvision: pip install torchvision")
         elif self.dataset == "fashion-mnist":
             missing = bb.data.missing_files(args.fashion_mnist_root)
             if missing:
@@ -296,10 +300,11 @@ def main():
                                       seed=args.seed)
     criterion = recipe.criterion()
 
-    # This rank's [sum, count] of step losses in the epoch; a run resumed mid-epoch puts the
-    # checkpoint's totals (all ranks') on rank 0, so the epoch's all_reduce still sums them all.
+    # This rank's sum of step losses in the epoch (their count is world_size x steps); a run
+    # resumed mid-epoch puts the checkpoint's total (all ranks') on rank 0, so the epoch's
+    # all_reduce still sums them all.
     def zero_loss():
-        return torch.zeros(2, dtype=torch.float64, device=setup.device)
+        return torch.zeros((), dtype=torch.float64, device=setup.device)
 
     start_epoch, start_step, rows, resumed_loss = 0, 0, [], zero_loss()
     if setup.resume:
@@ -312,8 +317,9 @@ def main():
             resumed_loss = state["epoch_loss"]
         if start_step == iterations[start_epoch]:  # an epoch-end checkpoint: its row is in
             start_epoch, start_step, resumed_loss = start_epoch + 1, 0, zero_loss()
-    # DDP broadcasts rank 0's BatchNorm buffers (running statistics) at every step, as torch's
-    # reference recipe does: evaluation and rank 0's checkpoints then see what every rank has.
+    # DDP broadcasts rank 0's BatchNorm buffers (running statistics) before every forward, as
+    # torch's reference recipe does; each rank's forward then moves its own copy, so the epoch
+    # ends with rank 0's broadcast once more before evaluation (see below).
     ddp = DistributedDataParallel(model, device_ids=[setup.device.index]
                                   if setup.device.type == "cuda" else None)
 
@@ -349,7 +355,7 @@ def main():
         epoch_loss = resumed_loss.clone() if resuming else zero_loss()
         for step, (images, labels) in enumerate(batches(train, sampler, args.workers), first):
             loss = train_step(ddp, criterion, optimizer, images, labels, setup, args, autocast)
-            epoch_loss += torch.stack([loss.double(), torch.ones_like(epoch_loss[0])])
+            epoch_loss += loss
             lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
             scheduler.step()
             done_images += schedule(epoch)
@@ -375,8 +381,11 @@ def main():
         train_seconds = time.time() - epoch_start
         train_loss = epoch_loss.clone()
         dist.all_reduce(train_loss)
+        for buffer in model.buffers():  # every rank evaluates rank 0's (checkpointed) statistics
+            dist.broadcast(buffer, src=0)
         test_loss, accuracy = evaluate(model, test, setup, args, autocast)
-        rows.append({"epoch": epoch + 1, "train_loss": (train_loss[0] / train_loss[1]).item(),
+        rows.append({"epoch": epoch + 1,
+                     "train_loss": (train_loss / (setup.world_size * iterations[epoch])).item(),
                      "test_loss": test_loss, "test_accuracy": accuracy,
                      "lr": lr, "global_batch": schedule(epoch),
                      "images_per_second": (iterations[epoch] - first) * schedule(epoch)

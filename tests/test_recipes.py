@@ -72,3 +72,13 @@ def test_no_warmup_above_the_peak():
     recipe = goyal2017.replace(batch_per_rank=8)  # global batch 16 on 2 ranks: peak 0.00625
     scheduler = recipe.build_scheduler(recipe.build_optimizer(tiny_model(), 2), 10, 2)
     assert max(scheduler.factor(i) for i in range(900)) == pytest.approx(1.0)
+
+
+def test_zero_base_lr_builds_a_zero_schedule():
+    """base_lr = 0 (a frozen run) is allowed by the linear rule: the warmup still starts at
+    base_batch / batch of the peak, and every LR is 0."""
+    recipe = goyal2017.replace(base_lr=0.0)
+    optimizer = recipe.build_optimizer(tiny_model(), 16)  # batch 512: the warmup starts at 1/2
+    scheduler = recipe.build_scheduler(optimizer, 10, 16)
+    assert scheduler.factor(0) == pytest.approx(0.5)
+    assert optimizer.param_groups[0]["lr"] == 0.0

@@ -108,6 +108,8 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
          "install the Debian package dataset-fashion-mnist"),
         ([*TINY, "--resume", "--output", str(tmp_path / "none")], "--resume: no checkpoint"),
         ([*TINY, "--recipe", "mlperf_lars"], "--batch-per-rank does not apply"),
+        ([*TINY, "--bn-group-size", "0", "--max-local-batch", "31"],
+         "leaves a last micro-batch of one sample"),
     ]
     for args, message in cases:
         result = run_single(args)

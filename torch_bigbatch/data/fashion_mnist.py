@@ -32,7 +32,9 @@ def read_idx(path):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 + 4 * dims).view(sizes)
 
 
+@functools.lru_cache(maxsize=4)
 def _read_split(split, root):
+    """The raw (uint8 images, int64 labels) of a split, decompressed once per process."""
     images_file, labels_file = FILES[split]
     return (read_idx(os.path.join(root, images_file)),
             read_idx(os.path.join(root, labels_file)).long())
@@ -56,4 +58,4 @@ def load_fashion_mnist(split, root=DEFAULT_ROOT):
                                 "the Debian package dataset-fashion-mnist)")
     mean, std = _training_statistics(root)
     images, labels = _read_split(split, root)
-    return images.float().div_(255).sub_(mean).div_(std).unsqueeze(1), labels
+    return images.float().div_(255).sub_(mean).div_(std).unsqueeze(1), labels.clone()

@@ -85,9 +85,9 @@ class Recipe:
     def build_scheduler(self, optimizer, iterations_per_epoch, world_size):
         """LargeBatchLR over `epochs`; iterations_per_epoch: an int or one per epoch."""
         schedule = self.batch_size_schedule(world_size)
-        # From base_lr up to the peak; a batch below base_batch has no warmup to do.
-        start = min(1.0, self.base_lr / self.peak_lr(world_size)) if self.warmup_from_base_lr \
-            else 0.0
+        # From base_lr up to the peak (by the linear rule, base_batch / batch of the peak); a
+        # batch below base_batch has no warmup to do.
+        start = min(1.0, self.base_batch / schedule(0)) if self.warmup_from_base_lr else 0.0
         return LargeBatchLR(optimizer, iterations_per_epoch, self.epochs, warmup=self.warmup,
                             warmup_epochs=self.warmup_epochs, warmup_start_factor=start,
                             decay=self.decay, milestones=self.milestones, gamma=self.gamma,
