@@ -1,15 +1,22 @@
 """The alpha-beta cost model: each algorithm against its formula written out by hand, the
-identities the papers state, the calibration fit and the command line."""
+identities the papers state, the calibration fit, the command line, and a math module that
+imports nothing compiled."""
 
 import csv
+import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 import torch_bigbatch as bb
-from torch_bigbatch.distributed import cost_model
-from torch_bigbatch.distributed.cost_model import Hardware
+from torch_bigbatch.distributed import TorusOptions
+from torch_bigbatch.distributed.cost_model import alpha_beta, calibration, cli
+from torch_bigbatch.distributed.cost_model.alpha_beta import Hardware
 
-ABCI = cost_model.PRESETS["abci-v100"]
+ABCI = alpha_beta.PRESETS["abci-v100"]
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 
 def uniform(ranks, alpha, bandwidth, overlap=True):
@@ -19,34 +26,63 @@ def uniform(ranks, alpha, bandwidth, overlap=True):
                     overlap=overlap)
 
 
+def test_math_module_imports_nothing_compiled():
+    """alpha_beta.py loaded on its own, as a file, in a fresh interpreter: no torch, no
+    torch_bigbatch._C, and it computes what the package's copy computes."""
+    script = (
+        "import importlib.util, json, sys\n"
+        "spec = importlib.util.spec_from_file_location('alpha_beta', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['alpha_beta'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "loaded = [name for name in sys.modules if name.split('.')[0] in "
+        "('torch', 'torch_bigbatch')]\n"
+        "seconds = module.allreduce_time('torus', module.PRESETS['abci-v100'], 4096)\n"
+        "print(json.dumps({'loaded': loaded, 'seconds': seconds}))\n")
+    result = subprocess.run([sys.executable, "-c", script, alpha_beta.__file__],
+                            capture_output=True, text=True, timeout=60, check=True)
+    report = json.loads(result.stdout)
+    assert report["loaded"] == []  # neither torch nor torch_bigbatch._C
+    assert report["seconds"] == alpha_beta.allreduce_time("torus", ABCI, 4096)
+
+
+def test_segment_default_is_the_backends():
+    assert alpha_beta.DEFAULT_SEGMENT_BYTES == TorusOptions().segment_bytes
+
+
+def test_resnet50_gradient_size():
+    model = bb.models.resnet50()
+    assert sum(p.numel() for p in model.parameters()) == alpha_beta.RESNET50_PARAMETERS
+
+
 def test_ring_is_twice_p_minus_one_steps():
     # 2(p-1) steps of alpha + n/p bytes: 14 * (10 us + 125 us).
-    assert cost_model.ring_time(uniform(8, 1e-5, 1e9), 8, 1e6) == pytest.approx(1.89e-3)
+    assert alpha_beta.ring_time(uniform(8, 1e-5, 1e9), 8, 1e6) == pytest.approx(1.89e-3)
 
 
 def test_torus_latency_and_bandwidth_terms():
     """ARCHITECTURE.md: torus = 2(X-1)alpha + 2(Y-1)alpha + 2(p-1)/p n beta, the ring's
     bandwidth term with far fewer steps."""
     hardware = uniform(64, 1e-5, 1e9)
-    assert cost_model.torus_time(hardware, 64, 0, columns=8) == pytest.approx(28 * 1e-5)
-    assert cost_model.ring_time(hardware, 64, 0) == pytest.approx(126 * 1e-5)
+    assert alpha_beta.torus_time(hardware, 64, 0, columns=8) == pytest.approx(28 * 1e-5)
+    assert alpha_beta.ring_time(hardware, 64, 0) == pytest.approx(126 * 1e-5)
     no_latency = uniform(64, 0.0, 1e9)
     for columns in (2, 4, 8, 16, 32):
-        assert cost_model.torus_time(no_latency, 64, 1e8, columns) == \
-            pytest.approx(cost_model.ring_time(no_latency, 64, 1e8))
+        assert alpha_beta.torus_time(no_latency, 64, 1e8, columns) == \
+            pytest.approx(alpha_beta.ring_time(no_latency, 64, 1e8))
 
 
 def test_torus_on_abci_by_hand():
     """16 V100 as 4 x 4: rows on NVLink, the 4 columns of a node share its 25 GB/s."""
-    n = cost_model.RESNET50_GRADIENT_BYTES
+    n = alpha_beta.RESNET50_GRADIENT_BYTES
     row = 3 * (5e-6 + n / 4 / 50e9)
     column = 2 * 3 * (10e-6 + n / 4 / 4 / (25e9 / 4))
-    assert cost_model.torus_time(ABCI, 16, n) == pytest.approx(2 * row + column)
+    assert alpha_beta.torus_time(ABCI, 16, n) == pytest.approx(2 * row + column)
     # The flat ring crosses nodes at every step: the inter-node alpha, all NICs' bandwidth.
-    assert cost_model.ring_time(ABCI, 16, n) == pytest.approx(30 * (10e-6 + n / 16 / 25e9))
+    assert alpha_beta.ring_time(ABCI, 16, n) == pytest.approx(30 * (10e-6 + n / 16 / 25e9))
     # Goyal's hierarchy: reduce and broadcast in the node, leaders' ring on one 12.5 GB/s NIC.
     leaders = 2 * 3 * (10e-6 + n / 4 / 12.5e9)
-    assert cost_model.hierarchical_time(ABCI, 16, n) == pytest.approx(2 * row * 2 + leaders)
+    assert alpha_beta.hierarchical_time(ABCI, 16, n) == pytest.approx(2 * row * 2 + leaders)
 
 
 def test_rows_spanning_nodes():
@@ -55,40 +91,35 @@ def test_rows_spanning_nodes():
     n = 1e8
     row = 7 * (10e-6 + n / 8 / 12.5e9)
     column = 2 * 1 * (10e-6 + n / 8 / 2 / (25e9 / 4))
-    assert cost_model.torus_time(ABCI, 16, n, columns=8) == pytest.approx(2 * row + column)
+    assert alpha_beta.torus_time(ABCI, 16, n, columns=8) == pytest.approx(2 * row + column)
 
 
 def test_pipelining():
     n = 64 << 20
     hardware = uniform(16, 0.0, 1e9)
-    torus = cost_model.torus_time(hardware, 16, n, columns=4)
+    torus = alpha_beta.torus_time(hardware, 16, n, columns=4)
     # One segment is the plain torus; with no latency more segments only help, down to the
     # busier links' share plus one segment of the other.
-    assert cost_model.pipelined_time(hardware, 16, n, 4, segment_bytes=n) == pytest.approx(torus)
-    scatter, column, gather = cost_model.torus_phases(hardware, 16, n, 4)
-    eight = cost_model.pipelined_time(hardware, 16, n, 4, segment_bytes=n // 8)
+    assert alpha_beta.pipelined_time(hardware, 16, n, 4, segment_bytes=n) == pytest.approx(torus)
+    scatter, column, gather = alpha_beta.torus_phases(hardware, 16, n, 4)
+    eight = alpha_beta.pipelined_time(hardware, 16, n, 4, segment_bytes=n // 8)
     assert eight == pytest.approx(scatter + gather + column / 8)
     # Without overlap (loopback: the phases share the cores) segments change nothing.
     shared = uniform(16, 0.0, 1e9, overlap=False)
-    assert cost_model.pipelined_time(shared, 16, n, 4, segment_bytes=n // 8) == \
+    assert alpha_beta.pipelined_time(shared, 16, n, 4, segment_bytes=n // 8) == \
         pytest.approx(torus)
     # With latency, each segment pays it again: the best segment beats the default.
-    best = cost_model.best_segment_bytes(ABCI, 4096, n)
-    assert cost_model.pipelined_time(ABCI, 4096, n, segment_bytes=best) < \
-        cost_model.pipelined_time(ABCI, 4096, n)
-
-
-def test_resnet50_gradient_size():
-    model = bb.models.resnet50()
-    assert sum(p.numel() for p in model.parameters()) == cost_model.RESNET50_PARAMETERS
+    best = alpha_beta.best_segment_bytes(ABCI, 4096, n)
+    assert alpha_beta.pipelined_time(ABCI, 4096, n, segment_bytes=best) < \
+        alpha_beta.pipelined_time(ABCI, 4096, n)
 
 
 def test_efficiency_and_projection():
-    assert cost_model.scaling_efficiency(0.09, 0.01) == pytest.approx(0.9)
-    rows = cost_model.projection(ABCI, [8, 1024, 4096], compute_ms=45)
+    assert alpha_beta.scaling_efficiency(0.09, 0.01) == pytest.approx(0.9)
+    rows = alpha_beta.projection(ABCI, [8, 1024, 4096], compute_ms=45)
     assert [row["gpus"] for row in rows] == [8, 1024, 4096]
     for row in rows:
-        for name in cost_model.ALGORITHMS:
+        for name in alpha_beta.ALGORITHMS:
             seconds = row[f"{name}_ms"] / 1e3
             assert row[f"{name}_efficiency"] == pytest.approx(0.045 / (0.045 + seconds))
     # The torus' point: far fewer steps than the flat ring at thousands of GPUs.
@@ -97,22 +128,22 @@ def test_efficiency_and_projection():
 
 def test_bad_rank_counts():
     with pytest.raises(ValueError, match="whole nodes"):
-        cost_model.ring_time(ABCI, 6, 1e6)
+        alpha_beta.ring_time(ABCI, 6, 1e6)
     with pytest.raises(ValueError, match="torus row"):
-        cost_model.torus_time(ABCI, 16, 1e6, columns=3)
+        alpha_beta.torus_time(ABCI, 16, 1e6, columns=3)
     with pytest.raises(ValueError, match="algorithm"):
-        cost_model.allreduce_time("tree", ABCI, 16)
+        alpha_beta.allreduce_time("tree", ABCI, 16)
 
 
 def synthetic_rows(alpha, beta, cores):
     """bench_allreduce rows that follow the model exactly."""
     rows = []
     for ranks, columns in ((4, 2), (8, 2), (16, 4)):
-        hardware = cost_model.loopback(alpha, beta, ranks, cores)
+        hardware = calibration.loopback(alpha, beta, ranks, cores)
         for nbytes in (4096, 1 << 20, 64 << 20):
             for backend in ("gloo", "torus"):
-                seconds = cost_model.ring_time(hardware, ranks, nbytes) if backend == "gloo" \
-                    else cost_model.pipelined_time(hardware, ranks, nbytes, columns)
+                seconds = alpha_beta.ring_time(hardware, ranks, nbytes) if backend == "gloo" \
+                    else alpha_beta.pipelined_time(hardware, ranks, nbytes, columns)
                 rows.append({"shape": f"{columns}x{ranks // columns}", "ranks": ranks,
                              "bytes": nbytes, "backend": backend, "ms": seconds * 1e3})
     return rows
@@ -122,11 +153,11 @@ def synthetic_rows(alpha, beta, cores):
 def test_fit_recovers_alpha_and_beta(cores):
     rows = [{**row, "seconds": row["ms"] / 1e3} for row in synthetic_rows(1e-3, 1e-9, cores)
             if row["backend"] == "gloo"]
-    alpha, beta = cost_model.fit_alpha_beta(rows, cores)
+    alpha, beta = calibration.fit_alpha_beta(rows, cores)
     assert alpha == pytest.approx(1e-3, rel=1e-9)
     assert beta == pytest.approx(1e-9, rel=1e-9)
     with pytest.raises(ValueError, match="two sizes"):
-        cost_model.fit_alpha_beta(rows[:1], cores)
+        calibration.fit_alpha_beta(rows[:1], cores)
 
 
 def test_command_line(tmp_path, capsys):
@@ -136,8 +167,8 @@ def test_command_line(tmp_path, capsys):
         writer.writeheader()
         writer.writerows(synthetic_rows(2e-3, 5e-10, 2))
     plot, table = tmp_path / "model.png", tmp_path / "model.csv"
-    cost_model.main(["--gpus", "8", "64", "4096", "--calibrate", str(measured), "--cores", "2",
-                     "--plot", str(plot), "--csv", str(table)])
+    cli.main(["--gpus", "8", "64", "4096", "--calibrate", str(measured), "--cores", "2",
+              "--plot", str(plot), "--csv", str(table)])
     output = capsys.readouterr().out
     assert "alpha = 2.000 ms" in output and "abci-v100" in output and "dgx-h100" in output
     assert plot.stat().st_size > 0
@@ -145,15 +176,24 @@ def test_command_line(tmp_path, capsys):
         rows = list(csv.DictReader(file))
     assert [(row["hardware"], row["gpus"]) for row in rows] == [
         (hardware, gpus) for hardware in ("abci-v100", "dgx-h100") for gpus in ("8", "64", "4096")]
-    _, _, calibration = cost_model.calibrate(measured, cores=2)
-    for row in calibration:  # rows made by the model: model and measurement agree
+    _, _, table = calibration.calibrate(measured, cores=2)
+    for row in table:  # rows made by the model: model and measurement agree
         assert row["model_ms"] == pytest.approx(row["measured_ms"])
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch_bigbatch.distributed.cost_model", "--hardware",
+         "abci-v100", "--gpus", "8", "16", "--plot", ""],
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "abci-v100" in result.stdout and "dgx-h100" not in result.stdout
 
 
 def test_best_row_length():
     """Latency only: 2(X-1) + 2(4096/X - 1) steps are fewest at X = 64, the square root; with
     the full gradient the model keeps ABCI's rows inside a node until a thousand GPUs."""
-    assert cost_model.best_columns(ABCI, 4096, 0) == 64
-    assert cost_model.best_columns(ABCI, 1024, cost_model.RESNET50_GRADIENT_BYTES) == 4
-    rows = cost_model.projection(ABCI, [4096])
+    assert alpha_beta.best_columns(ABCI, 4096, 0) == 64
+    assert alpha_beta.best_columns(ABCI, 1024, alpha_beta.RESNET50_GRADIENT_BYTES) == 4
+    rows = alpha_beta.projection(ABCI, [4096])
     assert rows[0]["best_torus_ms"] <= rows[0]["torus_ms"]
