@@ -4,6 +4,7 @@ imports nothing compiled."""
 
 import csv
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -19,9 +20,9 @@ ABCI = alpha_beta.PRESETS["abci-v100"]
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 
-def uniform(ranks, alpha, bandwidth, overlap=True):
-    """Every link alike, one node."""
-    return Hardware("uniform", gpus_per_node=ranks, intra_alpha=alpha,
+def uniform(ranks, alpha, bandwidth, overlap=True, gpus_per_node=None):
+    """Every link alike; one node unless `gpus_per_node` says otherwise."""
+    return Hardware("uniform", gpus_per_node=gpus_per_node or ranks, intra_alpha=alpha,
                     intra_bandwidth=bandwidth, inter_alpha=alpha, inter_bandwidth=bandwidth,
                     overlap=overlap)
 
@@ -37,13 +38,13 @@ def test_math_module_imports_nothing_compiled():
         "spec.loader.exec_module(module)\n"
         "loaded = [name for name in sys.modules if name.split('.')[0] in "
         "('torch', 'torch_bigbatch')]\n"
-        "seconds = module.allreduce_time('torus', module.PRESETS['abci-v100'], 4096)\n"
+        "seconds = module.allreduce_time('tree', module.PRESETS['abci-v100'], 4096)\n"
         "print(json.dumps({'loaded': loaded, 'seconds': seconds}))\n")
     result = subprocess.run([sys.executable, "-c", script, alpha_beta.__file__],
                             capture_output=True, text=True, timeout=60, check=True)
     report = json.loads(result.stdout)
     assert report["loaded"] == []  # neither torch nor torch_bigbatch._C
-    assert report["seconds"] == alpha_beta.allreduce_time("torus", ABCI, 4096)
+    assert report["seconds"] == alpha_beta.allreduce_time("tree", ABCI, 4096)
 
 
 def test_segment_default_is_the_backends():
@@ -85,6 +86,45 @@ def test_torus_on_abci_by_hand():
     assert alpha_beta.hierarchical_time(ABCI, 16, n) == pytest.approx(2 * row * 2 + leaders)
 
 
+def test_tree_on_abci_by_hand():
+    """NCCL's double binary tree: a chain of 4 GPUs up and down in each node (5 us a step),
+    floor(log2 N) levels up and down between nodes (10 us), 2n bytes through the slower of
+    NVLink (50 GB/s) and the node's NICs (25 GB/s)."""
+    n = alpha_beta.RESNET50_GRADIENT_BYTES
+    # 16 GPUs, 4 nodes: 2 levels.
+    assert alpha_beta.tree_time(ABCI, 16, n) == \
+        pytest.approx(2 * 3 * 5e-6 + 2 * 2 * 10e-6 + 2 * n / 25e9)
+    # 24 GPUs, 6 nodes: a binary tree of 6 nodes is still 2 levels deep.
+    assert alpha_beta.tree_time(ABCI, 24, n) == alpha_beta.tree_time(ABCI, 16, n)
+    # One node: the chain alone, on NVLink.
+    assert alpha_beta.tree_time(ABCI, 4, n) == pytest.approx(2 * 3 * 5e-6 + 2 * n / 50e9)
+    assert alpha_beta.tree_time(ABCI, 1, n) == 0.0
+    assert alpha_beta.allreduce_time("tree", ABCI, 16, n) == alpha_beta.tree_time(ABCI, 16, n)
+
+
+def test_tree_latency_grows_like_log_p():
+    """One GPU per node, no bytes: 2 log2(p) steps for the tree, 2(p-1) for the ring; from p
+    to p^2 the tree's latency doubles while the ring's grows p + 1 times."""
+    hardware = uniform(1, 1e-5, 1e9, gpus_per_node=1)
+    p = 16
+    assert alpha_beta.tree_time(hardware, p, 0) == pytest.approx(2 * math.log2(p) * 1e-5)
+    assert alpha_beta.tree_time(hardware, p * p, 0) == \
+        pytest.approx(2 * alpha_beta.tree_time(hardware, p, 0))
+    assert alpha_beta.ring_time(hardware, p * p, 0) == \
+        pytest.approx((p + 1) * alpha_beta.ring_time(hardware, p, 0))
+
+
+@pytest.mark.parametrize("ranks, gpus_per_node", [(8, 8), (64, 1), (64, 4)])
+def test_tree_bandwidth_is_the_rings_times_p_over_p_minus_one(ranks, gpus_per_node):
+    """With no latency: 2n bytes per rank through the tree against the ring's 2(p-1)/p n,
+    through the same path bandwidth (on one node and across nodes)."""
+    hardware = Hardware("no latency", gpus_per_node=gpus_per_node, intra_alpha=0.0,
+                        intra_bandwidth=50e9, inter_alpha=0.0, inter_bandwidth=25e9)
+    n = 1e8
+    assert alpha_beta.tree_time(hardware, ranks, n) == \
+        pytest.approx(alpha_beta.ring_time(hardware, ranks, n) * ranks / (ranks - 1))
+
+
 def test_rows_spanning_nodes():
     """An 8 x 2 torus on 4-GPU nodes: rows cross nodes (one NIC), each node's 4 columns leave
     it and share its NICs."""
@@ -122,17 +162,27 @@ def test_efficiency_and_projection():
         for name in alpha_beta.ALGORITHMS:
             seconds = row[f"{name}_ms"] / 1e3
             assert row[f"{name}_efficiency"] == pytest.approx(0.045 / (0.045 + seconds))
+        fastest_torus = min(row["pipelined_ms"], row["best_torus_ms"])
+        assert row["torus_speedup_over_tree"] == pytest.approx(row["tree_ms"] / fastest_torus)
     # The torus' point: far fewer steps than the flat ring at thousands of GPUs.
     assert rows[-1]["torus_ms"] < rows[-1]["ring_ms"] / 2
+    # Against the tree it wins on two nodes (half the tree's bytes on the NICs, NVLink
+    # phases hidden by the pipeline) and loses at thousands of GPUs (Y steps against log N).
+    assert rows[0]["torus_speedup_over_tree"] > 1 > rows[-1]["torus_speedup_over_tree"]
+    one_gpu = alpha_beta.projection(ABCI, [1])[0]
+    assert one_gpu["tree_ms"] == one_gpu["ring_ms"] == 0 and \
+        one_gpu["torus_speedup_over_tree"] == 1
 
 
 def test_bad_rank_counts():
     with pytest.raises(ValueError, match="whole nodes"):
         alpha_beta.ring_time(ABCI, 6, 1e6)
+    with pytest.raises(ValueError, match="whole nodes"):
+        alpha_beta.tree_time(ABCI, 6, 1e6)
     with pytest.raises(ValueError, match="torus row"):
         alpha_beta.torus_time(ABCI, 16, 1e6, columns=3)
     with pytest.raises(ValueError, match="algorithm"):
-        alpha_beta.allreduce_time("tree", ABCI, 16)
+        alpha_beta.allreduce_time("butterfly", ABCI, 16)
 
 
 def synthetic_rows(alpha, beta, cores):
@@ -171,11 +221,17 @@ def test_command_line(tmp_path, capsys):
               "--plot", str(plot), "--csv", str(table)])
     output = capsys.readouterr().out
     assert "alpha = 2.000 ms" in output and "abci-v100" in output and "dgx-h100" in output
+    assert "the torus beats NCCL's tree at 8 GPUs; the tree beats the torus at 64, 4096 GPUs" \
+        in output
     assert plot.stat().st_size > 0
     with open(table) as file:
         rows = list(csv.DictReader(file))
     assert [(row["hardware"], row["gpus"]) for row in rows] == [
         (hardware, gpus) for hardware in ("abci-v100", "dgx-h100") for gpus in ("8", "64", "4096")]
+    projected = alpha_beta.projection(ABCI, [4096])[0]
+    assert float(rows[2]["tree_ms"]) == pytest.approx(projected["tree_ms"])
+    assert float(rows[2]["torus_speedup_over_tree"]) == \
+        pytest.approx(projected["torus_speedup_over_tree"])
     _, _, table = calibration.calibrate(measured, cores=2)
     for row in table:  # rows made by the model: model and measurement agree
         assert row["model_ms"] == pytest.approx(row["measured_ms"])
@@ -188,6 +244,7 @@ def test_python_dash_m_entry_point():
         cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "abci-v100" in result.stdout and "dgx-h100" not in result.stdout
+    assert "the torus beats NCCL's tree at 8, 16 GPUs" in result.stdout
 
 
 def test_best_row_length():

@@ -1,5 +1,6 @@
-"""The alpha-beta cost model of allreduce algorithms (ring, Goyal et al.'s hierarchy, Mikami
-et al.'s torus and our pipelined torus), from one node to thousands of GPUs.
+"""The alpha-beta cost model of allreduce algorithms (ring, NCCL's double binary tree, Goyal
+et al.'s hierarchy, Mikami et al.'s torus and our pipelined torus), from one node to thousands
+of GPUs.
 
   alpha_beta   the math: hardware presets, each algorithm's time, the projection; it imports
                only the standard library, nothing compiled;

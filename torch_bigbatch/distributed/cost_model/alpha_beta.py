@@ -9,6 +9,8 @@ leaves the node pays the inter-node alpha and the inter-node bandwidth that one 
 there. Algorithms, for p = nodes * gpus_per_node:
 
   ring           one flat ring of p ranks (NCCL's rings use every NIC of a node together);
+  tree           NCCL's double binary tree between the nodes, a chain inside each node:
+                 2 log2(nodes) steps on the network, about the ring's bandwidth (tree_time);
   hierarchical   Goyal et al. 2017, section 4: reduce to one GPU per node, a ring allreduce
                  between the nodes' leaders (one NIC each), a broadcast in the node;
   torus          Mikami et al. 2018: X x Y grid, reduce-scatter along the rows, allreduce of
@@ -59,8 +61,9 @@ class Hardware:
         return min(self.intra_bandwidth, per_flow, self.inter_bandwidth / self.nics)
 
     def path_bandwidth(self, nodes):
-        """Bandwidth of a ring through every rank: NVLink on one node; across nodes, the
-        slower of NVLink and a node's NICs together (NCCL runs one ring per NIC)."""
+        """Bandwidth of a path through every rank (a ring, or a tree and its chains): NVLink
+        on one node; across nodes, the slower of NVLink and a node's NICs together (NCCL runs
+        one ring or tree per NIC)."""
         if nodes == 1:
             return self.intra_bandwidth
         return min(self.intra_bandwidth, self.inter_bandwidth)
@@ -106,6 +109,39 @@ def ring_time(hardware, ranks, nbytes):
     nodes = check_ranks(hardware, ranks)
     alpha = hardware.intra_alpha if nodes == 1 else hardware.inter_alpha
     return ring_allreduce(ranks, nbytes, alpha, hardware.path_bandwidth(nodes))
+
+
+def tree_time(hardware, ranks, nbytes):
+    """NCCL's double binary tree (Sanders, Speck and Traff 2009; NCCL 2.4, Jeaugey 2019).
+
+    Two complementary binary trees over the N nodes (each node is an inner node of at most
+    one and a leaf of the other) each reduce half of the buffer up to their root and
+    broadcast it back down, pipelined in small chunks; inside a node the G GPUs form a chain
+    (NCCL runs the tree between nodes and a chain in the node). With B the path bandwidth
+    (NVLink on one node, else the slower of NVLink and a node's NICs together):
+
+        T = 2 (G - 1) alpha_intra + 2 floor(log2 N) alpha_inter + 2 n / B
+
+    Latency: a chunk climbs the chain and the floor(log2 N) levels of the tree, then comes
+    back down; NCCL's tuner counts the same steps. Bandwidth: as an inner node a rank gets
+    n/2 from each of two children and sends n/2 up, then gets n/2 and sends it to both
+    children; as a leaf of the other tree it sends n/2 and gets n/2: 2n bytes each way per
+    rank (per node on its NICs, per GPU along the chain), where a ring moves 2(p-1)/p n.
+    So the tree's bandwidth term is p/(p-1) times the ring's, as in NCCL's tuner (algorithm
+    bandwidth busBw / 2 for the tree, busBw p / (2(p-1)) for the ring).
+
+    Assumptions: chunks are small against n, so the pipeline's fill and drain are left out,
+    and several are in flight, so each level's latency is paid once, not once per chunk;
+    NCCL's empirical derating of the tree (x0.92 and a per-size correction in its tuner) and
+    contention beyond the NICs are left out.
+    """
+    nodes = check_ranks(hardware, ranks)
+    if ranks == 1:
+        return 0.0
+    chain = min(ranks, hardware.gpus_per_node)
+    levels = nodes.bit_length() - 1  # floor(log2 N): the depth of a binary tree of N nodes
+    latency = 2 * (chain - 1) * hardware.intra_alpha + 2 * levels * hardware.inter_alpha
+    return latency + 2 * nbytes / hardware.path_bandwidth(nodes)
 
 
 def hierarchical_time(hardware, ranks, nbytes):
@@ -178,8 +214,8 @@ def best_columns(hardware, ranks, nbytes):
     return min(choices, key=lambda x: torus_time(hardware, ranks, nbytes, x))
 
 
-MODELS = {"ring": ring_time, "hierarchical": hierarchical_time, "torus": torus_time,
-          "pipelined": tuned_pipelined_time}
+MODELS = {"ring": ring_time, "tree": tree_time, "hierarchical": hierarchical_time,
+          "torus": torus_time, "pipelined": tuned_pipelined_time}
 ALGORITHMS = tuple(MODELS)
 
 
@@ -197,7 +233,7 @@ def scaling_efficiency(compute_seconds, allreduce_seconds):
 
 def projection(hardware, gpu_counts, nbytes=RESNET50_GRADIENT_BYTES, compute_ms=None):
     """Rows of allreduce milliseconds and scaling efficiency per algorithm and GPU count,
-    and the best torus row length."""
+    the best torus row length, and how the fastest torus compares with NCCL's tree."""
     compute = (compute_ms if compute_ms is not None else hardware.compute_ms) / 1e3
     rows = []
     for ranks in gpu_counts:
@@ -210,5 +246,9 @@ def projection(hardware, gpu_counts, nbytes=RESNET50_GRADIENT_BYTES, compute_ms=
         row["segment_mib"] = best_segment_bytes(hardware, ranks, nbytes) / 2**20
         row["best_columns"] = best_columns(hardware, ranks, nbytes)
         row["best_torus_ms"] = torus_time(hardware, ranks, nbytes, row["best_columns"]) * 1e3
+        # Above 1, the torus (pipelined at X = a node, or at the best X) beats the tree.
+        fastest_torus_ms = min(row["pipelined_ms"], row["best_torus_ms"])
+        row["torus_speedup_over_tree"] = row["tree_ms"] / fastest_torus_ms \
+            if fastest_torus_ms else 1.0  # one GPU: neither communicates
         rows.append(row)
     return rows

@@ -15,22 +15,32 @@ from .plot import plot
 
 PROJECTION_FIELDS = (["hardware", "gpus"]
                      + [f"{name}_{kind}" for name in ALGORITHMS for kind in ("ms", "efficiency")]
-                     + ["segment_mib", "best_columns", "best_torus_ms"])
+                     + ["segment_mib", "best_columns", "best_torus_ms", "torus_speedup_over_tree"])
+
+
+def gpu_list(rows):
+    return ", ".join(str(row["gpus"]) for row in rows) or "none"
 
 
 def print_projection(hardware, rows, nbytes, compute_ms):
     print(f"\n{hardware.name}: allreduce of {nbytes / 1e6:.1f} MB (ms), and scaling efficiency "
           f"with {compute_ms:g} ms of compute per step and no overlap")
     header = " | ".join(f"{name:>12}" for name in ALGORITHMS)
-    print("(torus: X = the GPUs of a node; pipelined: at the segment size printed; best X: the "
-          "row length the model finds fastest)")
+    print("(tree: NCCL's double binary tree; torus: X = the GPUs of a node; pipelined: at the "
+          "segment size printed; best X: the row length the model finds fastest; torus/tree: "
+          "the tree's time over the fastest torus's, above 1 where the torus wins)")
     print(f"{'GPUs':>5} | {header} | " + " | ".join(f"{'eff ' + n[:8]:>12}" for n in ALGORITHMS)
-          + " | segment MiB | best X | its ms")
+          + " | segment MiB | best X | its ms | torus/tree")
     for row in rows:
         times = " | ".join(f"{row[f'{name}_ms']:12.2f}" for name in ALGORITHMS)
         efficiency = " | ".join(f"{row[f'{name}_efficiency']:12.1%}" for name in ALGORITHMS)
         print(f"{row['gpus']:>5} | {times} | {efficiency} | {row['segment_mib']:11.1f} | "
-              f"{row['best_columns']:>6} | {row['best_torus_ms']:6.2f}")
+              f"{row['best_columns']:>6} | {row['best_torus_ms']:6.2f} | "
+              f"{row['torus_speedup_over_tree']:9.2f}x")
+    torus_wins = [row for row in rows if row["torus_speedup_over_tree"] > 1]
+    tree_wins = [row for row in rows if row["torus_speedup_over_tree"] < 1]
+    print(f"the torus beats NCCL's tree at {gpu_list(torus_wins)} GPUs; "
+          f"the tree beats the torus at {gpu_list(tree_wins)} GPUs")
 
 
 def print_calibration(alpha, beta, table):

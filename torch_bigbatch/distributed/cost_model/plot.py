@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .alpha_beta import ALGORITHMS
 
-COLORS = {"ring": "tab:blue", "hierarchical": "tab:orange", "torus": "tab:green",
-          "pipelined": "tab:red"}
+COLORS = {"ring": "tab:blue", "tree": "tab:purple", "hierarchical": "tab:orange",
+          "torus": "tab:green", "pipelined": "tab:red"}
 
 
 def plot(projections, calibration, path):
