@@ -1,8 +1,6 @@
 """Fitting the model's alpha and beta to benchmarks/bench_allreduce.py's measurements, and
 setting model and measurement side by side."""
 
-from __future__ import annotations
-
 import csv
 
 from .alpha_beta import DEFAULT_SEGMENT_BYTES, Hardware, pipelined_time, ring_time

@@ -3,8 +3,6 @@ projection of ResNet-50's gradient from 8 to 4096 GPUs per preset and plots it; 
 CSV` fits alpha and beta to benchmarks/bench_allreduce.py's Gloo rows and sets model and
 measurement side by side."""
 
-from __future__ import annotations
-
 import argparse
 import csv
 import os
@@ -67,8 +65,10 @@ def print_calibration(alpha, beta, table):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description="The alpha-beta cost of allreduce algorithms, "
-                                     "from one node to thousands of GPUs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_bigbatch.distributed.cost_model",
+        description="The alpha-beta cost of allreduce algorithms, from one node to thousands "
+                    "of GPUs.")
     parser.add_argument("--hardware", nargs="+", choices=PRESETS, default=list(PRESETS))
     parser.add_argument("--bytes", type=int, default=RESNET50_GRADIENT_BYTES,
                         help="allreduce size (default: ResNet-50's fp32 gradient)")

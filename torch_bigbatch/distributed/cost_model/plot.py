@@ -1,7 +1,5 @@
 """The cost model's figure: the projection per algorithm and preset, and the calibration."""
 
-from __future__ import annotations
-
 from .alpha_beta import ALGORITHMS
 
 COLORS = {"ring": "tab:blue", "tree": "tab:purple", "hierarchical": "tab:orange",
