@@ -64,3 +64,44 @@ def test_inf_gradient_skips_the_step(device, unscale_first):
         torch.testing.assert_close(p.detach(), p0, rtol=0, atol=0)
         torch.testing.assert_close(b, b0, rtol=0, atol=0)
     assert scaler.get_scale() == 128.0  # the scaler saw the inf and backed off
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("skipped", [1, 2], ids=["first_skipped", "first_two_skipped"])
+def test_skipped_first_steps_then_first_step_as_torch(device, dtype, skipped):
+    """GradScaler skips the first steps (inf gradients); the first step that runs initialises
+    the momentum buffers (b = d), as torch.optim.SGD's, whose step GradScaler skips on the host.
+    With dampening, a zero buffer treated as an old one would give b = (1 - dampening) d. Then
+    a checkpoint taken while a step is still pending keeps that state. (torch rounds bf16 math
+    to bf16, we compute in float: a tolerance of two bf16 ulps at 1, where the wrong rule is off
+    by lr * dampening * d, about 0.05 * |g|.)"""
+    model, x, y = model_and_batch(device)
+    model.to(dtype)
+    reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    kwargs = dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=1e-3)
+    optimizer = bb.optim.SGD(model.parameters(), **kwargs)
+    expected_optimizer = torch.optim.SGD(reference, **kwargs)
+    scalers = [torch.amp.GradScaler(device, init_scale=64.0) for _ in range(2)]
+    tolerance = dict(rtol=0, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
+    for step in range(skipped + 3):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+                 .to(device, dtype) for i, p in enumerate(reference)]
+        if step < skipped:
+            grads[0][0, 0] = float("inf")
+        for params, opt, scaler in [(list(model.parameters()), optimizer, scalers[0]),
+                                    (reference, expected_optimizer, scalers[1])]:
+            scale = scaler.scale(torch.ones((), device=device))
+            for p, g in zip(params, grads):
+                p.grad = g * scale  # as scaler.scale(loss).backward() would
+            scaler.step(opt)
+            scaler.update()
+        if step == skipped - 1:  # still pending: a checkpoint keeps it, on any device
+            saved = optimizer.state_dict()
+            optimizer = bb.optim.SGD(model.parameters(), **kwargs)
+            optimizer.load_state_dict(saved)
+        for p, r in zip(model.parameters(), reference):
+            torch.testing.assert_close(p.detach(), r.detach(), **tolerance)
+    for p, r in zip(model.parameters(), reference):
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"],
+                                   expected_optimizer.state[r]["momentum_buffer"], **tolerance)

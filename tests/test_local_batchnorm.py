@@ -1,7 +1,9 @@
 """torch_bigbatch.nn.LocalBatchNorm against nn.functional.batch_norm applied group by group
 (the trusted oracle, in float64), and against nn.BatchNorm where they must agree."""
 
-import itertools
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -138,18 +140,6 @@ def test_dtypes(device, dtype, param_dtype):
 def test_cumulative_moving_average(device):
     """momentum=None: the running statistics are the plain average over steps, as nn.BatchNorm."""
     check_against_reference(device, (12, 5, 4, 4), 4, torch.float32, False, momentum=None, steps=3)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_non_contiguous_input(device):
-    """Neither [N, C, ...] nor channels-last memory: the kernels read a contiguous copy."""
-    generator = torch.Generator().manual_seed(0)
-    base = torch.randn(12, 5, 6, 4, generator=generator).to(device)
-    x = base.transpose(2, 3)
-    assert not x.is_contiguous() and not x.movedim(1, -1).is_contiguous()
-    layer = bb.nn.LocalBatchNorm2d(5, group_size=4).to(device)
-    expected, _, _ = reference(x.cpu(), None, None, 4)
-    assert_relative_close(layer(x).cpu(), expected, 1e-5, "output")
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
@@ -315,8 +305,8 @@ def test_bad_input(device):
         layer(torch.randn(4, 4, 3, device=device))
     with pytest.raises(ValueError, match="4 channels|got an input with 5 channels"):
         layer(torch.randn(4, 5, 3, 3, device=device))
-    with pytest.raises(ValueError, match="at least 2 samples"):
-        layer(torch.randn(1, 4, 3, 3, device=device))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(torch.randn(1, 4, 1, 1, device=device))
     with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
         bb.nn.local_batch_norm(torch.ones(4, 4, 3, 3, dtype=torch.int64, device=device),
                                None, None, training=True, group_size=2)
@@ -325,11 +315,16 @@ def test_bad_input(device):
             bb.nn.LocalBatchNorm2d(4, group_size=group_size)
     with pytest.raises(RuntimeError, match="group_size must be at least 2"):
         torch.ops.torch_bigbatch.local_batch_norm(torch.randn(4, 4, device=device), None, None,
-                                                  None, None, 1, 0.1, 1e-5)
+                                                  1, 1e-5)
     with pytest.raises(RuntimeError, match="weight must have 4 elements"):
         torch.ops.torch_bigbatch.local_batch_norm(torch.randn(4, 4, device=device),
-                                                  torch.ones(3, device=device), None, None, None,
-                                                  2, 0.1, 1e-5)
+                                                  torch.ones(3, device=device), None, 2, 1e-5)
+    with pytest.raises(RuntimeError, match="more than 1 value per channel"):
+        torch.ops.torch_bigbatch.local_batch_norm(torch.randn(1, 4, device=device), None, None,
+                                                  2, 1e-5)
+    with pytest.raises(ValueError, match="running_mean and running_var must be given together"):
+        bb.nn.local_batch_norm(torch.randn(4, 4, device=device), torch.zeros(4, device=device),
+                               None, training=True, group_size=2)
 
 
 def test_compiles():
@@ -347,20 +342,162 @@ def test_compiles():
     assert torch.equal(layer.running_var, reference_layer.running_var)
 
 
+# Views whose memory is neither [N, C, ...] nor channels-last (or is, with odd strides): slices,
+# transposes, steps, channel slices of [N, C, 1, 1], stride-0 broadcasts, in 1d, 2d and 3d.
+ODD_VIEWS = {
+    "1d channel slice": lambda g: torch.randn(64, 128, generator=g)[:, :64],
+    "1d transposed": lambda g: torch.randn(64, 64, generator=g).t(),
+    "1d every other sample": lambda g: torch.randn(128, 64, generator=g)[::2],
+    "1d broadcast batch": lambda g: torch.randn(1, 64, generator=g).expand(6, 64),
+    "1d (N, C, L) length slice": lambda g: torch.randn(16, 6, 20, generator=g)[:, :, 3:17:2],
+    "1d (N, C, L) channels-last": lambda g: torch.randn(16, 20, 6, generator=g).transpose(1, 2),
+    "1d (N, C, L) channels-last slice": lambda g: torch.randn(16, 20, 9, generator=g)
+    .transpose(1, 2)[:, :6],
+    "2d channel slice of 1x1": lambda g: torch.randn(64, 128, 1, 1, generator=g)[:, :64],
+    "2d broadcast 1x1": lambda g: torch.randn(1, 64, 1, 1, generator=g).expand(6, 64, 1, 1),
+    "2d broadcast 3x3": lambda g: torch.randn(1, 5, 3, 3, generator=g).expand(10, 5, 3, 3),
+    "2d broadcast spatial": lambda g: torch.randn(10, 5, 1, 1, generator=g).expand(10, 5, 3, 4),
+    "2d transposed spatial": lambda g: torch.randn(12, 5, 6, 4, generator=g).transpose(2, 3),
+    "2d channels-last channel slice": lambda g: torch.randn(12, 8, 5, 5, generator=g)
+    .to(memory_format=torch.channels_last)[:, 2:7],
+    "2d cropped": lambda g: torch.randn(12, 5, 9, 9, generator=g)[:, :, 1:-1, ::2],
+    "2d batch reversed": lambda g: torch.randn(12, 5, 4, 4, generator=g).flip(0),
+    "3d channels-last slice": lambda g: torch.randn(9, 6, 3, 4, 5, generator=g)
+    .to(memory_format=torch.channels_last_3d)[:, 1:5],
+    "3d permuted": lambda g: torch.randn(9, 3, 4, 5, 6, generator=g).permute(0, 4, 2, 3, 1),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["nchw", "channels_last", "strided"])
+@pytest.mark.parametrize("view", list(ODD_VIEWS), ids=str)
+def test_odd_strides_equal_the_contiguous_copy(device, view):
+    """Any view gives what its contiguous copy gives: output, the three gradients and the
+    running statistics (the groups are of 4 samples, with tails)."""
+    x = ODD_VIEWS[view](torch.Generator().manual_seed(0)).to(device)
+    channels = x.shape[1]
+    layers = [LOCAL_OF[x.dim()](channels, group_size=4).to(device) for _ in range(2)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.linspace(0.5, 1.5, channels))
+            layer.bias.copy_(torch.linspace(-1, 1, channels))
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    results = []
+    for layer, data in zip(layers, (x, x.contiguous())):
+        data = data.detach().requires_grad_()
+        y = layer(data)
+        y.backward(dy)
+        results.append([y, data.grad, layer.weight.grad, layer.bias.grad, layer.running_mean,
+                        layer.running_var])
+    names = ["output", "grad_input", "grad_weight", "grad_bias", "running_mean", "running_var"]
+    for name, actual, expected in zip(names, *results):
+        assert_relative_close(actual.cpu(), expected.cpu(), 1e-5, f"{view}: {name}")
+    # and the contiguous copy against the group-by-group reference
+    expected, _, _ = reference(x.cpu(), layers[1].weight.detach().cpu(),
+                               layers[1].bias.detach().cpu(), 4)
+    assert_relative_close(results[1][0].detach().cpu(), expected, 1e-5, f"{view}: reference")
+
+
+def test_large_broadcast_batch_runs_in_bounds():
+    """A stride-0 batch of 200,000 samples once crashed the process (the kernels read the view
+    as if it were dense): run it in a child process and compare with the contiguous copy."""
+    code = """if True:
+        import torch, torch_bigbatch as bb
+        x = torch.randn(1, 64, 1, 1).expand(200000, 64, 1, 1)
+        a, b = bb.nn.LocalBatchNorm2d(64), bb.nn.LocalBatchNorm2d(64)
+        ya, yb = a(x), b(x.contiguous())
+        assert torch.equal(ya, yb) and torch.equal(a.running_mean, b.running_mean)
+        assert torch.equal(a.running_var, b.running_var)
+        assert a.running_mean.abs().max() < 10
+        print("ok")
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_input_propagates_as_in_batchnorm(device):
+    """NaN and inf in a group make its outputs and the running statistics non-finite where
+    nn.BatchNorm2d's are (a NaN variance is not clamped to 0)."""
+    x = torch.randn(8, 3, 2, 2, device=device)
+    x[0, 0, 0, 0] = float("nan")
+    x[1, 1, 1, 0] = float("inf")
+    native = nn.BatchNorm2d(3).to(device)
+    local = bb.nn.LocalBatchNorm2d(3, group_size=None).to(device)
+    y_native, y_local = native(x), local(x)
+    assert torch.equal(y_native.isnan(), y_local.isnan())
+    assert torch.equal(y_native.isinf(), y_local.isinf())
+    assert_relative_close(y_local[:, 2], y_native[:, 2], 1e-5, "the finite channel")
+    for name in ("running_mean", "running_var"):
+        expected, actual = getattr(native, name), getattr(local, name)
+        assert torch.equal(expected.isnan(), actual.isnan()), name
+        assert torch.equal(expected.isinf(), actual.isinf()), name
+    grouped = bb.nn.LocalBatchNorm2d(3, group_size=4).to(device)
+    y = grouped(x)
+    assert y[:4, :2].isnan().all() and y[4:].isfinite().all()  # only the groups that hold them
+    assert grouped.running_var[:2].isnan().all() and grouped.running_var[2].isfinite()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batches_of_one_and_zero_samples_as_batchnorm2d(device):
+    """One sample with several values per channel is normalized over its values (in training,
+    and in eval without running statistics); an empty batch gives an empty output and keeps
+    the running statistics, as nn.BatchNorm2d does."""
+    x = torch.randn(1, 4, 3, 3, device=device) * 2 + 1
+    for track in (True, False):
+        for train in (True, False):
+            native = nn.BatchNorm2d(4, track_running_stats=track).to(device).train(train)
+            local = bb.nn.LocalBatchNorm2d(4, track_running_stats=track).to(device).train(train)
+            assert_relative_close(local(x), native(x), 1e-5, f"track={track} train={train}")
+            if track:
+                assert_relative_close(local.running_var, native.running_var, 1e-5, "running_var")
+    native, local = nn.BatchNorm2d(4).to(device), bb.nn.LocalBatchNorm2d(4).to(device)
+    empty = torch.randn(0, 4, 3, 3, device=device, requires_grad=True)
+    y_native, y_local = native(empty), local(empty)
+    assert y_local.shape == y_native.shape == empty.shape
+    y_local.sum().backward()
+    assert empty.grad.shape == empty.shape
+    assert torch.equal(local.weight.grad, torch.zeros_like(local.weight))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(local, name), getattr(native, name)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "strided", "sliced_1x1",
+                                    "broadcast", "empty"])
 def test_opcheck(device, layout):
-    """Schemas (the running statistics are declared mutated), fake kernels (shapes and strides
-    of every output, for each memory layout) and autograd registration, by torch's opcheck."""
-    x = torch.randn(10, 4, 3, 5, device=device)
+    """Schemas, fake kernels (shapes and strides of every output, for each memory layout) and the
+    autograd registration (inputs that require grad), by torch's opcheck."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"sliced_1x1": (10, 8, 1, 1), "broadcast": (1, 4, 3, 5), "empty": (0, 4, 3, 5)}
+    x = torch.randn(shapes.get(layout, (10, 4, 3, 5)), generator=generator).to(device)
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
     elif layout == "strided":
         x = x.transpose(2, 3)
+    elif layout == "sliced_1x1":
+        x = x[:, :4]
+    elif layout == "broadcast":
+        x = x.expand(10, 4, 3, 5)
     w, b = torch.rand(4, device=device) + 0.5, torch.randn(4, device=device)
-    running_mean, running_var = torch.zeros(4, device=device), torch.ones(4, device=device)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
     op = torch.ops.torch_bigbatch
-    torch.library.opcheck(op.local_batch_norm, (x, w, b, running_mean, running_var, 4, 0.1, 1e-5))
-    _, mean, invstd = op.local_batch_norm(x, w, b, None, None, 4, 0.1, 1e-5)
+    torch.library.opcheck(op.local_batch_norm, (x, w, b, 4, 1e-5))
+    _, mean, invstd, _, _ = op.local_batch_norm(x, w, b, 4, 1e-5)
     torch.library.opcheck(op.local_batch_norm_backward,
-                          (torch.randn_like(x), x, w, mean, invstd, 4))
+                          (torch.randn_like(x), x.detach(), w.detach(), mean, invstd, 4))
+
+
+def test_op_is_differentiable():
+    """The op itself has an autograd formula: no warning, and gradients that agree with the
+    group-by-group reference."""
+    x = torch.randn(10, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(3, dtype=torch.float64).add_(0.5).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = torch.ops.torch_bigbatch.local_batch_norm(x, w, None, 4, 1e-5)[0]
+        y.square().sum().backward()
+    _, (grad_x, grad_w, _) = reference_gradients(x.detach(), w.detach(), torch.zeros(3),
+                                                 2 * y.detach(), 4)
+    assert_relative_close(x.grad, grad_x, 1e-10, "grad_input")
+    assert_relative_close(w.grad, grad_w, 1e-10, "grad_weight")

@@ -19,7 +19,8 @@ def op_args(device, n_groups=2, with_buffers=True):
         momentum_scale=[1.0] * n_groups, dampening=[0.0] * n_groups,
         weight_decay=[1e-4] * n_groups, nesterov=[True] * n_groups, maximize=[False] * n_groups,
         trust_coefficient=[0.0, 0.001][:n_groups], trust_eps=[1e-8] * n_groups,
-        trust_clip=[False] * n_groups, grad_scale=None, found_inf=None, first_step=False)
+        trust_clip=[False] * n_groups, grad_scale=None, found_inf=None, first_step=False,
+        first_step_pending=None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -301,3 +301,27 @@ def test_step_replays_in_a_cuda_graph(optimizer_class):
     for i, (g, e) in enumerate(zip(graphed, eager)):
         if e.numel():
             assert_relative_close(g.detach(), e.detach(), 1e-6, f"param {i}")
+
+
+def test_parameters_on_different_devices_in_one_group():
+    """A CPU parameter beside a meta one (say, a model partly materialized) is still stepped:
+    launches are per device, and meta's is the fake kernel."""
+    cpu = torch.randn(5, requires_grad=True)
+    meta = torch.empty(5, device="meta", requires_grad=True)
+    expected = cpu.detach().clone().requires_grad_()
+    cpu.grad, meta.grad = torch.ones(5), torch.empty(5, device="meta")
+    expected.grad = torch.ones(5)
+    bb.optim.SGD([cpu, meta], lr=0.1, momentum=0.9).step()
+    torch.optim.SGD([expected], lr=0.1, momentum=0.9).step()
+    torch.testing.assert_close(cpu, expected, rtol=0, atol=0)
+
+
+def test_torch_sgd_constructor_flags():
+    """foreach and fused are accepted as torch.optim.SGD accepts them (the step is fused either
+    way); differentiable=True is refused with a message that says why."""
+    params = make_params("cpu")
+    for flags in (dict(foreach=True), dict(foreach=False), dict(fused=True), dict(fused=False),
+                  dict(differentiable=False)):
+        bb.optim.SGD(params, lr=0.1, momentum=0.9, **flags)
+    with pytest.raises(ValueError, match="differentiable=True"):
+        bb.optim.SGD(params, lr=0.1, differentiable=True)

@@ -65,3 +65,26 @@ def test_saved_state_keeps_our_options():
     assert [g["momentum_form"] for g in loaded.param_groups] == ["goyal", "goyal"]
     assert [g["lr_correction"] for g in loaded.param_groups] == [False, False]
     assert [g["lr"] for g in loaded.param_groups] == [0.1, 0.1]
+
+
+def test_buffers_in_another_memory_format_than_the_parameters():
+    """Channels-last buffers (say, from a CUDA run) loaded into a contiguous model step as
+    torch.optim.SGD's do."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 3, 3, 3, generator=generator)
+    weights = [weight.clone().requires_grad_() for _ in range(2)]
+    buffer = torch.randn(4, 3, 3, 3, generator=generator).to(memory_format=torch.channels_last)
+    optimizers = [cls([w], **KWARGS) for cls, w in zip((bb.optim.SGD, torch.optim.SGD), weights)]
+    for optimizer in optimizers:  # each its own buffer: loading keeps the tensor it is given
+        optimizer.load_state_dict({
+            "state": {0: {"momentum_buffer": buffer.clone()}},
+            "param_groups": [{**KWARGS, "dampening": 0, "maximize": False, "params": [0]}]})
+    for _ in range(2):
+        grad = torch.randn(4, 3, 3, 3, generator=generator)
+        for w, optimizer in zip(weights, optimizers):
+            w.grad = grad.clone()
+            optimizer.step()
+    torch.testing.assert_close(weights[0].detach(), weights[1].detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(optimizers[0].state[weights[0]]["momentum_buffer"],
+                               optimizers[1].state[weights[1]]["momentum_buffer"],
+                               rtol=1e-6, atol=1e-7)

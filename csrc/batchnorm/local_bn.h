@@ -10,7 +10,8 @@
 //        backward  sum(dy), sum(dy * d)   with d = x - mean[g, c]
 //   2. per (group, channel): the sums of its samples give the group's statistics (forward) or
 //      gradient sums (backward), and the coefficients of step 4
-//   3. per channel: the running statistics (forward) or grad_weight and grad_bias (backward)
+//   3. per channel: the averages over groups of the group means and unbiased variances, which
+//      the running statistics move towards (forward), or grad_weight and grad_bias (backward)
 //   4. per element, with v = x - mean[g, c]: y = a v + c (forward), dx = a dy + b v + c
 //      (backward); centering first keeps float exact where |mean| is large against the spread
 // Shifting by K keeps the one-pass variance exact enough in float: the sums are of values of
@@ -60,11 +61,11 @@ struct BnPass {
   const void* bias = nullptr;         // [C] acc, or null for 0 (forward)
   void* mean = nullptr;               // [G, C] acc: written by the forward, read by the backward
   void* invstd = nullptr;             // [G, C] acc: 1 / sqrt(biased variance + eps)
-  void* running_mean = nullptr;       // [C] acc, or null (forward)
-  void* running_var = nullptr;        // [C] acc, or null (forward)
+  void* average_mean = nullptr;       // [C] acc: the groups' average mean (forward)
+  void* average_var = nullptr;        // [C] acc: the groups' average unbiased variance (forward)
   void* grad_weight = nullptr;        // [C] acc (backward)
   void* grad_bias = nullptr;          // [C] acc (backward)
-  double momentum = 0.1, eps = 1e-5;
+  double eps = 1e-5;
   // Scratch, acc: step 1's sums [N, C, 2], step 2's per-group values for step 3 [G, C, 2]
   // and step 4's coefficients [3, G, C] (a, b, c; the centers are `mean`).
   void* sample_sums = nullptr;
@@ -94,7 +95,7 @@ BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shif
                                   A sum_squares, A count) {
   const A centered_mean = sum / count;
   A variance = sum_squares / count - centered_mean * centered_mean;
-  variance = variance > A(0) ? variance : A(0);
+  variance = variance < A(0) ? A(0) : variance;  // rounding below 0; NaN stays NaN
   const A mean = shift + centered_mean;
   const A invstd = A(1) / sqrt(variance + A(p.eps));
   const A weight = p.weight != nullptr ? static_cast<const A*>(p.weight)[c] : A(1);
@@ -134,14 +135,12 @@ BB_HOST_DEVICE void channel_step(const BnPass& p, int64_t c, A first, A second) 
   if (p.backward) {
     static_cast<A*>(p.grad_bias)[c] = first;
     static_cast<A*>(p.grad_weight)[c] = second;
-  } else if (p.running_mean != nullptr) {
-    // The average over groups of the group means and unbiased variances, as nn.BatchNorm
-    // updates with its one batch.
-    const A momentum = A(p.momentum), groups = A(p.layout.groups);
-    A& running_mean = static_cast<A*>(p.running_mean)[c];
-    A& running_var = static_cast<A*>(p.running_var)[c];
-    running_mean = (A(1) - momentum) * running_mean + momentum * (first / groups);
-    running_var = (A(1) - momentum) * running_var + momentum * (second / groups);
+  } else {
+    // nn.BatchNorm moves its running statistics towards its one batch's mean and unbiased
+    // variance; with groups, towards their averages.
+    const A groups = A(p.layout.groups);
+    static_cast<A*>(p.average_mean)[c] = first / groups;
+    static_cast<A*>(p.average_var)[c] = second / groups;
   }
 }
 

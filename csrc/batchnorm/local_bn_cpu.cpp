@@ -2,7 +2,6 @@
 // ATen's SIMD vectors. Step 1 reads the input once; step 4 reads it once more and writes.
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "batchnorm/local_bn_op.h"
 #include "common/cpu_vectors.h"
@@ -236,11 +235,7 @@ void run_local_bn_cpu(const BnPass& p, const at::Tensor&) {
   }
 }
 
+const BnLaunchers::Register kCpu(c10::DeviceType::CPU, &run_local_bn_cpu);
+
 }  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) {
-  m.impl("local_batch_norm", &local_batch_norm_kernel<run_local_bn_cpu>);
-  m.impl("local_batch_norm_backward", &local_batch_norm_backward_kernel<run_local_bn_cpu>);
-}
-
 }  // namespace torch_bigbatch::batchnorm

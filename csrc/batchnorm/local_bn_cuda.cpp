@@ -3,7 +3,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "batchnorm/local_bn_cuda.h"
 #include "batchnorm/local_bn_op.h"
@@ -16,11 +15,7 @@ void run_local_bn_cuda(const BnPass& pass, const at::Tensor& input) {
   C10_CUDA_CHECK(launch_local_bn_cuda(pass, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+const BnLaunchers::Register kCuda(c10::DeviceType::CUDA, &run_local_bn_cuda);
+
 }  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) {
-  m.impl("local_batch_norm", &local_batch_norm_kernel<run_local_bn_cuda>);
-  m.impl("local_batch_norm_backward", &local_batch_norm_backward_kernel<run_local_bn_cuda>);
-}
-
 }  // namespace torch_bigbatch::batchnorm

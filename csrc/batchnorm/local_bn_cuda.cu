@@ -2,7 +2,7 @@
 //   1. a warp per (sample, channel) row ([N, C, S] memory), or a block per (sample, 32
 //      channels) walking the rows of [N, S, C] memory: sums of the sample, no atomics
 //   2. a warp per (group, channel): the group's sums, statistics and coefficients
-//   3. a thread per channel: running statistics, or grad_weight and grad_bias
+//   3. a thread per channel: the groups' average statistics, or grad_weight and grad_bias
 //   4. a grid-stride elementwise loop with 16-byte accesses, one wave of resident blocks
 // Every sum is in a fixed order, so results are deterministic.
 
@@ -276,8 +276,7 @@ cudaError_t launch_pass(const BnPass& p, int multiprocessors, cudaStream_t strea
     sample_sums_rows<T, kBackward><<<blocks, kThreads, 0, stream>>>(p, packed_rows);
   }
   group_kernel<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
-  if (kBackward || p.running_mean != nullptr)
-    channel_kernel<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
+  channel_kernel<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
 

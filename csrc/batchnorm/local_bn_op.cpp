@@ -3,10 +3,12 @@
 #include "common/element_type.h"
 
 #include <ATen/OpMathType.h>
+#include <torch/library.h>
 
 namespace torch_bigbatch::batchnorm {
 namespace {
 
+constexpr const char* kName = "torch_bigbatch::local_batch_norm";
 constexpr const char* kOp = "torch_bigbatch::local_batch_norm: ";
 
 ElementType input_type(const at::Tensor& input) {
@@ -16,7 +18,7 @@ ElementType input_type(const at::Tensor& input) {
 
 // The input as the kernels read it: itself when its memory is [N, C, S] (contiguous) or
 // [N, S, C] (channels_last: channels innermost, then the spatial dims in order), else a
-// contiguous copy. Checks what every pass needs.
+// contiguous copy (slices, transposes, steps, broadcasts). Checks what every pass needs.
 std::pair<at::Tensor, BnLayout> as_layout(const at::Tensor& input, int64_t group_size) {
   TORCH_CHECK(input.layout() == at::kStrided, kOp, "the input must be a dense tensor, got ",
               input.layout());
@@ -30,18 +32,21 @@ std::pair<at::Tensor, BnLayout> as_layout(const at::Tensor& input, int64_t group
   for (int64_t d = 2; d < input.dim(); ++d) layout.spatial *= input.size(d);
   TORCH_CHECK(group_size >= 2, kOp, "group_size must be at least 2 (a group of one sample has ",
               "no variance), got ", group_size);
-  TORCH_CHECK(layout.batch >= 2, kOp, "training needs at least 2 samples per group, got a batch ",
-              "of ", layout.batch, " (input of size ", input.sizes(), ")");
-  TORCH_CHECK(layout.channels > 0 && layout.spatial > 0, kOp, "the input has no values per ",
-              "channel (size ", input.sizes(), ")");
+  TORCH_CHECK(layout.channels > 0, kOp, "the input has no channels (size ", input.sizes(), ")");
+  // nn.BatchNorm's rule: statistics need two values per channel (an empty input has nothing
+  // to normalize: the passes return at once, as nn.BatchNorm does).
+  TORCH_CHECK(input.numel() == 0 || layout.batch * layout.spatial >= 2, kOp,
+              "training needs more than 1 value per channel, got input of size ", input.sizes());
   layout.group_size = group_size;
   layout.groups = group_count(layout.batch, group_size);
-  // With one value per (sample, channel) both layouts are [N, C]: the channels-last kernels,
-  // which run along the channels, suit it; the row kernels would see rows of one value.
-  layout.channels_last = layout.spatial == 1 ||
-                         (!input.is_contiguous() && input.movedim(1, -1).is_contiguous());
-  if (layout.channels_last || input.is_contiguous()) return {input, layout};
-  return {input.contiguous(), layout};
+  const bool rows = input.is_contiguous();
+  layout.channels_last = !rows && input.movedim(1, -1).is_contiguous();
+  const at::Tensor x = rows || layout.channels_last ? input : input.contiguous();
+  // With one value per (sample, channel) both layouts are the same [N, C] memory: the
+  // channels-last kernels, which run along the channels, suit it; the row kernels would see
+  // rows of one value.
+  layout.channels_last = layout.channels_last || layout.spatial == 1;
+  return {x, layout};
 }
 
 // A per-channel tensor as the kernels read it: contiguous, in `dtype`, or undefined if absent.
@@ -72,47 +77,43 @@ at::Tensor start_pass(BnPass& pass, const at::Tensor& x, const BnLayout& layout,
   return scratch;
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_forward(
+// The ops. Forward: (output, mean, invstd, average_mean, average_var), the statistics in the
+// input's accumulation type: mean and invstd [groups, C], the averages over groups [C].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> local_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, int64_t group_size, double momentum,
-    double eps, RunPass run) {
+    const std::optional<at::Tensor>& bias, int64_t group_size, double eps) {
   auto [x, layout] = as_layout(input, group_size);
   const at::ScalarType acc = at::toOpMathType(x.scalar_type());
   const int64_t channels = layout.channels;
   const at::Tensor w = per_channel(weight, x, channels, acc, "weight");
   const at::Tensor b = per_channel(bias, x, channels, acc, "bias");
-  const bool has_running = running_mean.has_value() && running_mean->defined();
-  TORCH_CHECK(has_running == (running_var.has_value() && running_var->defined()), kOp,
-              "running_mean and running_var must be given together");
-  const at::Tensor rm = per_channel(running_mean, x, channels, acc, "running_mean");
-  const at::Tensor rv = per_channel(running_var, x, channels, acc, "running_var");
 
   at::Tensor output = at::empty_like(x);
   at::Tensor mean = at::empty({layout.groups, channels}, x.options().dtype(acc));
   at::Tensor invstd = at::empty_like(mean);
+  at::Tensor average_mean = at::empty({channels}, mean.options());
+  at::Tensor average_var = at::empty_like(average_mean);
+  if (x.numel() == 0) {  // no statistics (zeros): nn.BatchNorm keeps its running ones
+    for (at::Tensor* t : {&mean, &invstd, &average_mean, &average_var}) t->zero_();
+    return {output, mean, invstd, average_mean, average_var};
+  }
   BnPass pass;
   const at::Tensor scratch = start_pass(pass, x, layout, w);
   pass.result = output.data_ptr();
   pass.bias = b.defined() ? b.data_ptr() : nullptr;
   pass.mean = mean.data_ptr();
   pass.invstd = invstd.data_ptr();
-  pass.running_mean = has_running ? rm.data_ptr() : nullptr;
-  pass.running_var = has_running ? rv.data_ptr() : nullptr;
-  pass.momentum = momentum;
+  pass.average_mean = average_mean.data_ptr();
+  pass.average_var = average_var.data_ptr();
   pass.eps = eps;
-  run(pass, x);
-  // Running statistics in another dtype or memory were updated in a copy: write it back.
-  if (has_running && !rm.is_same(*running_mean)) running_mean->copy_(rm);
-  if (has_running && !rv.is_same(*running_var)) running_var->copy_(rv);
-  return {output, mean, invstd};
+  BnLaunchers::get(x.device().type(), kName)(pass, x);
+  return {output, mean, invstd, average_mean, average_var};
 }
 
+// Backward: (grad_input, grad_weight, grad_bias), the last two [C] in mean's dtype.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-    const at::Tensor& mean, const at::Tensor& invstd, int64_t group_size, RunPass run) {
+    const at::Tensor& mean, const at::Tensor& invstd, int64_t group_size) {
   auto [x, layout] = as_layout(input, group_size);
   const at::ScalarType acc = at::toOpMathType(x.scalar_type());
   TORCH_CHECK(grad_output.sizes() == x.sizes() && grad_output.scalar_type() == x.scalar_type() &&
@@ -134,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
   at::Tensor grad_input = at::empty_like(x);
   at::Tensor grad_weight = at::empty({layout.channels}, x.options().dtype(acc));
   at::Tensor grad_bias = at::empty_like(grad_weight);
+  if (x.numel() == 0) return {grad_input, grad_weight.zero_(), grad_bias.zero_()};
   BnPass pass;
   const at::Tensor scratch = start_pass(pass, x, layout, w);
   pass.backward = true;
@@ -143,8 +145,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_batch_norm_backward(
   pass.invstd = invstd.data_ptr();
   pass.grad_weight = grad_weight.data_ptr();
   pass.grad_bias = grad_bias.data_ptr();
-  run(pass, x);
+  BnLaunchers::get(x.device().type(), kName)(pass, x);
   return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) {
+  m.impl("local_batch_norm", &local_batch_norm);
+  m.impl("local_batch_norm_backward", &local_batch_norm_backward);
+}
+TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) {
+  m.impl("local_batch_norm", &local_batch_norm);
+  m.impl("local_batch_norm_backward", &local_batch_norm_backward);
 }
 
 }  // namespace torch_bigbatch::batchnorm

@@ -2,7 +2,6 @@
 // each chunk updated with ATen's SIMD vectors (float math for every storage type).
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -89,6 +88,7 @@ void for_each_chunk(const SgdStep& step, const std::vector<int64_t>& offsets, co
 template <typename T>
 void run_sgd_cpu_typed(const SgdStep& step) {
   if (step.found_inf != nullptr && *step.found_inf != 0.f) return;
+  const BufferMode mode = effective_mode(step.buffer_mode, step.first_step_pending);
   const float inv_grad_scale = step.grad_scale != nullptr ? 1.f / *step.grad_scale : 1.f;
   const size_t n = step.tensors.size();
   std::vector<int64_t> numels;
@@ -119,7 +119,7 @@ void run_sgd_cpu_typed(const SgdStep& step) {
     const SgdGroup& group = step.groups[step.tensors[t].group];
     const float lr = group.lr_ptr != nullptr ? *group.lr_ptr : group.lr;
     update_range<T>(step.tensors[t], begin, end, sgd_scalars(group, lr, inv_grad_scale, trust[t]),
-                    step.buffer_mode, group.nesterov);
+                    mode, group.nesterov);
   });
 }
 
@@ -128,14 +128,11 @@ void run_sgd_cpu(const SgdStep& step, at::TensorList) {
     case ElementType::Float32: return run_sgd_cpu_typed<float>(step);
     case ElementType::Float16: return run_sgd_cpu_typed<at::Half>(step);
     case ElementType::BFloat16: return run_sgd_cpu_typed<at::BFloat16>(step);
-    case ElementType::Float64: break;  // make_sgd_step refuses it
+    case ElementType::Float64: break;  // the op refuses it
   }
 }
 
+const SgdLaunchers::Register kCpu(c10::DeviceType::CPU, &run_sgd_cpu);
+
 }  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) {
-  m.impl("sgd_step_", &sgd_step_kernel<run_sgd_cpu>);
-}
-
 }  // namespace torch_bigbatch::optim

@@ -3,7 +3,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include "sgd_cuda.h"
 #include "sgd_op.h"
@@ -22,10 +21,7 @@ void run_sgd_cuda(const SgdStep& step, at::TensorList params) {
                                  c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+const SgdLaunchers::Register kCuda(c10::DeviceType::CUDA, &run_sgd_cuda);
+
 }  // namespace
-
-TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) {
-  m.impl("sgd_step_", &sgd_step_kernel<run_sgd_cuda>);
-}
-
 }  // namespace torch_bigbatch::optim

@@ -39,6 +39,7 @@ struct LaunchArgs {
   const float* found_inf;
   float* norm_partials;  // two per chunk (sum p^2, sum g^2) when the launch has LARS groups
   BufferMode mode;
+  const float* first_step_pending;  // see SgdStep
 };
 static_assert(sizeof(LaunchArgs) <= 32764, "kernel parameters are limited to 32764 bytes");
 
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   if (threadIdx.x == 0) trust_tensor = -1;
   __syncthreads();  // trust_tensor is read below by every thread
   const float inv_grad_scale = args.grad_scale != nullptr ? 1.f / *args.grad_scale : 1.f;
-  const BufferMode mode = args.mode;
+  const BufferMode mode = effective_mode(args.mode, args.first_step_pending);
   for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
     const Chunk chunk = chunk_at(args, c);
     const SgdGroup& group = args.groups[args.group[chunk.tensor]];
@@ -198,6 +199,7 @@ cudaError_t launch_typed(const SgdStep& step, float* scratch, int multiprocessor
     args.grad_scale = step.grad_scale;
     args.found_inf = step.found_inf;
     args.mode = step.buffer_mode;
+    args.first_step_pending = step.first_step_pending;
     args.norm_partials = launch_lars ? scratch : nullptr;
     const int64_t chunks = args.chunk_offset[args.n_tensors];
     if (chunks == 0) continue;
@@ -230,7 +232,7 @@ cudaError_t launch_sgd_cuda(const SgdStep& step, float* scratch, cudaStream_t st
     case ElementType::Float16: return launch_typed<__half>(step, scratch, multiprocessors, stream);
     case ElementType::BFloat16:
       return launch_typed<__nv_bfloat16>(step, scratch, multiprocessors, stream);
-    case ElementType::Float64: break;  // make_sgd_step refuses it
+    case ElementType::Float64: break;  // the op refuses it
   }
   return cudaErrorInvalidValue;
 }

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "sgd_step.h"
+#include "optim/sgd.h"
 
 namespace torch_bigbatch::optim {
 

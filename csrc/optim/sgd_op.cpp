@@ -2,80 +2,71 @@
 
 #include "common/element_type.h"
 
+#include <torch/library.h>
+
 namespace torch_bigbatch::optim {
 namespace {
+
+constexpr const char* kOp = "torch_bigbatch::sgd_step_: ";
 
 // A one-element float32 tensor on `device`, as a pointer the kernel reads, or null.
 const float* scalar_pointer(const std::optional<at::Tensor>& t, const at::Device& device,
                             const char* name) {
   if (!t.has_value() || !t->defined()) return nullptr;
   TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat && t->device() == device,
-              "torch_bigbatch::sgd_step_: ", name, " must be a one-element float32 tensor on ",
+              kOp, name, " must be a one-element float32 tensor on ",
               device, ", got ", t->scalar_type(), " of ", t->numel(), " elements on ", t->device());
   return t->data_ptr<float>();
 }
 
-// The kernels walk a parameter, its gradient and its buffer as flat arrays in one layout.
-void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* name, size_t i,
-                      bool same_strides) {
-  TORCH_CHECK(t.layout() == at::kStrided, "torch_bigbatch::sgd_step_: ", name, "[", i,
-              "] is ", t.layout(), "; sparse gradients are not supported");
+// A gradient or buffer must match its parameter in all but its memory layout.
+void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* name, size_t i) {
+  TORCH_CHECK(t.layout() == at::kStrided, kOp, name, "[", i, "] is ", t.layout(),
+              "; sparse gradients are not supported");
   TORCH_CHECK(t.scalar_type() == param.scalar_type() && t.device() == param.device() &&
-                  t.sizes() == param.sizes() && (!same_strides || t.strides() == param.strides()),
-              "torch_bigbatch::sgd_step_: ", name, "[", i, "] (", t.scalar_type(), " ", t.sizes(),
-              " strides ", t.strides(), " on ", t.device(), ") does not match params[", i, "] (",
-              param.scalar_type(), " ", param.sizes(), " strides ", param.strides(), " on ",
-              param.device(), ")");
+                  t.sizes() == param.sizes(),
+              kOp, name, "[", i, "] (", t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+              ") does not match params[", i, "] (", param.scalar_type(), " ", param.sizes(),
+              " on ", param.device(), ")");
 }
 
-// The gradient in the parameter's memory layout: itself, or a copy that `keep_alive` holds
-// until the kernels have been enqueued (a rare case: autograd lays gradients out like params).
-const at::Tensor& grad_like_param(const at::Tensor& grad, const at::Tensor& param, size_t i,
-                                  std::vector<at::Tensor>& keep_alive) {
-  check_like_param(grad, param, "grads", i, /*same_strides=*/false);
-  if (grad.strides() == param.strides()) return grad;
-  keep_alive.push_back(at::empty_like(param).copy_(grad));
-  return keep_alive.back();
-}
-
-}  // namespace
-
-SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                      at::IntArrayRef group_of_tensor, at::ArrayRef<double> lr,
-                      const c10::List<std::optional<at::Tensor>>& lr_tensor,
-                      at::ArrayRef<double> momentum, at::ArrayRef<double> momentum_scale,
-                      at::ArrayRef<double> dampening, at::ArrayRef<double> weight_decay,
-                      const c10::List<bool>& nesterov, const c10::List<bool>& maximize,
-                      at::ArrayRef<double> trust_coefficient, at::ArrayRef<double> trust_eps,
-                      const c10::List<bool>& trust_clip, const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf, bool first_step,
-                      std::vector<at::Tensor>& keep_alive) {
-  keep_alive.reserve(params.size());  // references into it must stay valid
+// The op: every argument checked before any tensor is touched.
+void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+               at::IntArrayRef group_of_tensor, at::ArrayRef<double> lr,
+               const c10::List<std::optional<at::Tensor>>& lr_tensor, at::ArrayRef<double> momentum,
+               at::ArrayRef<double> momentum_scale, at::ArrayRef<double> dampening,
+               at::ArrayRef<double> weight_decay, const c10::List<bool>& nesterov,
+               const c10::List<bool>& maximize, at::ArrayRef<double> trust_coefficient,
+               at::ArrayRef<double> trust_eps, const c10::List<bool>& trust_clip,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf, bool first_step,
+               const std::optional<at::Tensor>& first_step_pending) {
+  if (params.empty()) return;
   const size_t n = params.size();
   const bool has_buffers = !momentum_buffers.empty();
   TORCH_CHECK(grads.size() == n && group_of_tensor.size() == n &&
                   (!has_buffers || momentum_buffers.size() == n),
-              "torch_bigbatch::sgd_step_: params, grads, group_of_tensor and momentum_buffers ",
-              "(unless empty) must have the same length, got ", n, ", ", grads.size(), ", ",
-              group_of_tensor.size(), " and ", momentum_buffers.size());
-  TORCH_CHECK(has_buffers || !first_step,
-              "torch_bigbatch::sgd_step_: first_step needs momentum_buffers");
+              kOp, "params, grads, group_of_tensor and momentum_buffers (unless empty) must have ",
+              "the same length, got ", n, ", ", grads.size(), ", ", group_of_tensor.size(),
+              " and ", momentum_buffers.size());
+  TORCH_CHECK(has_buffers || !first_step, kOp, "first_step needs momentum_buffers");
   const size_t n_groups = lr.size();
   for (size_t size : {lr_tensor.size(), momentum.size(), momentum_scale.size(), dampening.size(),
                       weight_decay.size(), nesterov.size(), maximize.size(),
                       trust_coefficient.size(), trust_eps.size(), trust_clip.size()})
-    TORCH_CHECK(size == n_groups, "torch_bigbatch::sgd_step_: every per-group list must have ",
-                n_groups, " entries (one per group), got one with ", size);
+    TORCH_CHECK(size == n_groups, kOp, "every per-group list must have ", n_groups,
+                " entries (one per group), got one with ", size);
 
   const at::Device device = params[0].device();
   SgdStep step;
-  step.dtype = element_type(params[0], /*accept_double=*/false,
-                            "torch_bigbatch::sgd_step_: parameters");
+  step.dtype =
+      element_type(params[0], /*accept_double=*/false, "torch_bigbatch::sgd_step_: parameters");
   step.buffer_mode = !has_buffers ? BufferMode::None
                      : first_step ? BufferMode::First
                                   : BufferMode::Update;
   step.grad_scale = scalar_pointer(grad_scale, device, "grad_scale");
   step.found_inf = scalar_pointer(found_inf, device, "found_inf");
+  step.first_step_pending = scalar_pointer(first_step_pending, device, "first_step_pending");
 
   for (size_t g = 0; g < n_groups; ++g) {
     SgdGroup group;
@@ -93,24 +84,47 @@ SgdStep make_sgd_step(at::TensorList params, at::TensorList grads, at::TensorLis
     step.groups.push_back(group);
   }
 
+  // Copies in the parameter's layout that the raw pointers point into: gradients laid out
+  // otherwise (rare: autograd lays them out like the parameters) and buffers laid out otherwise
+  // (a checkpoint's channels-last buffers in a contiguous model), which are written back.
+  std::vector<at::Tensor> copies;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (buffer, its copy)
+  auto like_param = [&](const at::Tensor& t, const at::Tensor& p) -> const at::Tensor& {
+    if (t.strides() == p.strides()) return t;
+    copies.push_back(at::empty_like(p).copy_(t));
+    return copies.back();
+  };
+  copies.reserve(2 * n);  // like_param's references must stay valid
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.device() == device && p.scalar_type() == params[0].scalar_type(),
-                "torch_bigbatch::sgd_step_: all params must share one device and dtype; params[0] ",
-                "is ", params[0].scalar_type(), " on ", device, ", params[", i, "] is ",
-                p.scalar_type(), " on ", p.device());
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), "torch_bigbatch::sgd_step_: params[", i,
-                "] must be dense (strides ", p.strides(), " for sizes ", p.sizes(), ")");
-    const at::Tensor& grad = grad_like_param(grads[i], p, i, keep_alive);
-    if (has_buffers) check_like_param(momentum_buffers[i], p, "momentum_buffers", i, true);
+    TORCH_CHECK(p.device() == device && p.scalar_type() == params[0].scalar_type(), kOp,
+                "all params must share one device and dtype; params[0] is ",
+                params[0].scalar_type(), " on ", device, ", params[", i, "] is ", p.scalar_type(),
+                " on ", p.device());
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), kOp, "params[", i, "] must be dense (strides ",
+                p.strides(), " for sizes ", p.sizes(), ")");
+    check_like_param(grads[i], p, "grads", i);
+    const at::Tensor& grad = like_param(grads[i], p);
+    void* buffer = nullptr;
+    if (has_buffers) {
+      check_like_param(momentum_buffers[i], p, "momentum_buffers", i);
+      const at::Tensor& b = like_param(momentum_buffers[i], p);
+      if (!b.is_same(momentum_buffers[i])) write_back.emplace_back(momentum_buffers[i], b);
+      buffer = b.data_ptr();
+    }
     TORCH_CHECK(group_of_tensor[i] >= 0 && static_cast<size_t>(group_of_tensor[i]) < n_groups,
-                "torch_bigbatch::sgd_step_: group_of_tensor[", i, "] = ", group_of_tensor[i],
+                kOp, "group_of_tensor[", i, "] = ", group_of_tensor[i],
                 " is not a group index below ", n_groups);
-    step.tensors.push_back({p.data_ptr(), grad.data_ptr(),
-                            has_buffers ? momentum_buffers[i].data_ptr() : nullptr, p.numel(),
+    step.tensors.push_back({p.data_ptr(), grad.data_ptr(), buffer, p.numel(),
                             static_cast<int>(group_of_tensor[i])});
   }
-  return step;
+  SgdLaunchers::get(device.type(), "torch_bigbatch::sgd_step_")(step, params);
+  for (auto& [buffer, copy] : write_back) buffer.copy_(copy);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) { m.impl("sgd_step_", &sgd_step_); }
+TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) { m.impl("sgd_step_", &sgd_step_); }
 
 }  // namespace torch_bigbatch::optim

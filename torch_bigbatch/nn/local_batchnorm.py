@@ -9,37 +9,14 @@ statistics exactly as nn.BatchNorm does. group_size=None normalizes the whole lo
 one group: plain per-process BatchNorm.
 
 The statistics of every (group, channel) come from one pass of a fused kernel (CPU or CUDA), not
-from a Python loop over chunks.
+from a Python loop over chunks: the op torch.ops.torch_bigbatch.local_batch_norm, differentiable
+through its autograd registration (torch_bigbatch/ops.py).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
-
-
-class _LocalBatchNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, weight, bias, running_mean, running_var, group_size, momentum, eps):
-        output, mean, invstd = torch.ops.torch_bigbatch.local_batch_norm(
-            input, weight, bias, running_mean, running_var, group_size, momentum, eps)
-        ctx.save_for_backward(input, weight, mean, invstd)
-        ctx.group_size = group_size
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        input, weight, mean, invstd = ctx.saved_tensors
-        grad_input, grad_weight, grad_bias = torch.ops.torch_bigbatch.local_batch_norm_backward(
-            grad_output, input, weight, mean, invstd, ctx.group_size)
-        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        return (grad_input if needs_input else None,
-                grad_weight.to(weight.dtype) if needs_weight else None,
-                grad_bias.to(ctx.bias_dtype) if needs_bias else None,
-                None, None, None, None, None)
 
 
 def _check_group_size(group_size):
@@ -55,12 +32,23 @@ def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, t
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
     _check_group_size(group_size)
-    if input.dim() < 2 or input.shape[0] < 2:
-        raise ValueError("local batch norm needs at least 2 samples in training (a group of one "
-                         f"sample has no variance), got input of size {tuple(input.shape)}")
-    size = input.shape[0] if group_size is None else group_size
-    return _LocalBatchNormFunction.apply(input, weight, bias, running_mean, running_var, size,
-                                         momentum, eps)
+    if input.dim() < 2:
+        raise ValueError(f"local batch norm needs an input of at least 2 dims (N, C, ...), got "
+                         f"size {tuple(input.shape)}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must be given together")
+    if input.numel() > 0 and input.numel() // input.shape[1] < 2:  # nn.BatchNorm's rule
+        raise ValueError("Expected more than 1 value per channel when training, got input size "
+                         f"{tuple(input.shape)}")
+    size = max(2, input.shape[0]) if group_size is None else group_size
+    output, _, _, average_mean, average_var = torch.ops.torch_bigbatch.local_batch_norm(
+        input, weight, bias, size, eps)
+    if running_mean is not None and input.numel() > 0:
+        with torch.no_grad():
+            torch._foreach_lerp_([running_mean, running_var],
+                                 [average_mean.to(running_mean.dtype),
+                                  average_var.to(running_var.dtype)], momentum)
+    return output
 
 
 class LocalBatchNorm(_BatchNorm):

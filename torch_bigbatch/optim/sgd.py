@@ -11,6 +11,10 @@ from torch.optim import Optimizer
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MOMENTUM_FORMS = ("torch", "goyal")
 _NO_BUFFER, _FIRST_STEP, _UPDATE_BUFFER = range(3)  # how a launch treats momentum buffers
+# State of buffers whose first step GradScaler may have skipped: a one-element float32 tensor,
+# non-zero while every step of theirs was skipped, which the kernel reads on the device (so
+# their next real step initialises them, as torch.optim.SGD's would, without a host sync).
+_PENDING = "first_step_pending"
 
 
 def _check_group(group):
@@ -60,8 +64,9 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self, first_step):
+    def __init__(self, first_step, pending):
         self.first_step = first_step
+        self.pending = pending  # the buffers' shared _PENDING flag, or None
         self.params, self.grads, self.buffers, self.group_of_tensor = [], [], [], []
 
 
@@ -84,12 +89,20 @@ class _FusedSGD(Optimizer):
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        # Loading moved each pending flag to its parameter's dtype, one copy per parameter: keep
+        # the ones still set as one float32 flag per device (a sync here, not in step()).
+        flags = {}
+        for param_state in self.state.values():
+            pending = param_state.pop(_PENDING, None)
+            if pending is not None and pending.item() != 0:
+                param_state[_PENDING] = flags.setdefault(
+                    pending.device, torch.ones((), dtype=torch.float32, device=pending.device))
 
     def _trust_coefficient(self, group):
         """LARS's coefficient for a group; 0 leaves its update unadapted."""
         return 0.0
 
-    def _gather_launches(self):
+    def _gather_launches(self, found_inf):
         # Runs for every parameter at every step, so it reads as few tensor attributes as it
         # can: the kernel's glue checks the rest (shapes, strides, devices) in C++.
         launches = {}
@@ -101,18 +114,20 @@ class _FusedSGD(Optimizer):
                     continue
                 if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                buffer, mode = None, _NO_BUFFER
+                buffer, mode, pending = None, _NO_BUFFER, None
                 if has_momentum:
-                    buffer = self.state[p].get("momentum_buffer")
+                    state = self.state[p]
+                    buffer = state.get("momentum_buffer")
                     mode = _FIRST_STEP if buffer is None else _UPDATE_BUFFER
-                key = (p.dtype, p.get_device(), mode)  # get_device(): -1 on the CPU
+                    pending = state.get(_PENDING)
+                key = (p.dtype, p.device, mode, id(pending))
                 launch = launches.get(key)
                 if launch is None:
                     if p.dtype not in _SUPPORTED_DTYPES:
                         raise TypeError(
                             f"{type(self).__name__} supports float32, float16 and bfloat16 "
                             f"parameters, got {p.dtype}")
-                    launch = launches[key] = _Launch(first_step=mode == _FIRST_STEP)
+                    launch = launches[key] = _Launch(mode == _FIRST_STEP, pending)
                 launch.params.append(p)
                 launch.grads.append(grad)
                 if buffer is not None:
@@ -122,6 +137,8 @@ class _FusedSGD(Optimizer):
         for launch in launches.values():
             if launch.first_step:
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
+                if found_inf is not None:  # this first step may be skipped on the device
+                    launch.pending = found_inf.to(launch.params[0].device, copy=True)
                 for p, buffer in zip(launch.params, launch.buffers):
                     self.state[p]["momentum_buffer"] = buffer
         return launches.values()
@@ -161,12 +178,13 @@ class _FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        launches = self._gather_launches()  # checks every tensor before any is touched
-        momentum_scales = [_momentum_scale(group) for group in self.param_groups]
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        launches = self._gather_launches(found_inf)  # checks every tensor before any is touched
+        momentum_scales = [_momentum_scale(group) for group in self.param_groups]
         for launch in launches:
             device = launch.params[0].device
+            device_found_inf = None if found_inf is None else found_inf.to(device)
             torch.ops.torch_bigbatch.sgd_step_(
                 launch.params,
                 launch.grads,
@@ -174,10 +192,25 @@ class _FusedSGD(Optimizer):
                 launch.group_of_tensor,
                 **self._group_lists(device, momentum_scales),
                 grad_scale=None if grad_scale is None else grad_scale.to(device),
-                found_inf=None if found_inf is None else found_inf.to(device),
+                found_inf=device_found_inf,
                 first_step=launch.first_step,
+                first_step_pending=None if launch.first_step else launch.pending,
             )
+            self._track_pending(launch, device_found_inf)
         return loss
+
+    def _track_pending(self, launch, found_inf):
+        """After a launch: its buffers stay pending while every step of theirs is skipped."""
+        if launch.pending is None:
+            return
+        if not launch.first_step and found_inf is None:  # this step ran: no longer pending
+            for p in launch.params:
+                del self.state[p][_PENDING]
+            return
+        if not launch.first_step:  # pending only if this step was skipped too
+            launch.pending = launch.pending * found_inf
+        for p in launch.params:
+            self.state[p][_PENDING] = launch.pending
 
 
 class SGD(_FusedSGD):
@@ -194,10 +227,18 @@ class SGD(_FusedSGD):
         lr_correction: apply the momentum correction c = lr_t / lr_{t-1} in the "goyal" form
             (default True), which makes both forms follow the same trajectory under any LR
             schedule; without it the "goyal" form drifts whenever the LR changes.
+        foreach, fused: accepted as torch.optim.SGD accepts them, and without effect: the step
+            is always one fused kernel launch per device and dtype.
+        differentiable: only False; the fused kernel is not differentiable by autograd (use
+            torch.optim.SGD(differentiable=True) to differentiate through a step).
     """
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
-                 nesterov=False, *, maximize=False, momentum_form="torch", lr_correction=True):
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
+                 fused=None, momentum_form="torch", lr_correction=True):
+        if differentiable:
+            raise ValueError("torch_bigbatch.optim.SGD does not support differentiable=True: its "
+                             "fused kernel is not differentiable; use torch.optim.SGD for that")
         super().__init__(params, {
             "lr": lr, "momentum": momentum, "dampening": dampening,
             "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,

@@ -1,9 +1,13 @@
 #pragma once
-// The math of one fused SGD/LARS step, shared by the CPU and the CUDA kernels. Torch-free:
-// plain structs and floats; the update is a template over the number type so the CPU kernel
-// runs it on SIMD vectors of floats and the CUDA kernel on single floats.
+// One call of the fused SGD/LARS step as raw pointers, and its math, shared by the CPU and the
+// CUDA kernels. Torch-free: plain structs and floats; the update is a template over the number
+// type so the CPU kernel runs it on SIMD vectors of floats and the CUDA kernel on single floats.
 
-#include "multi_tensor.h"
+#include <cstdint>
+#include <vector>
+
+#include "common/multi_tensor.h"
+#include "common/portable.h"
 
 namespace torch_bigbatch::optim {
 
@@ -25,6 +29,39 @@ struct SgdGroup {
 };
 
 enum class BufferMode : int { None, First, Update };
+
+struct SgdTensor {
+  void* param;
+  const void* grad;
+  void* buffer;  // null when the step carries no momentum buffers
+  int64_t numel;
+  int group;     // index into SgdStep::groups
+};
+
+struct SgdStep {
+  ElementType dtype = ElementType::Float32;
+  std::vector<SgdTensor> tensors;
+  std::vector<SgdGroup> groups;
+  const float* grad_scale = nullptr;  // AMP: gradients are divided by *grad_scale
+  const float* found_inf = nullptr;   // AMP: the whole step is skipped when *found_inf != 0
+  BufferMode buffer_mode = BufferMode::None;
+  // Update mode only: when *first_step_pending != 0 the buffers have never taken a step (every
+  // earlier one was skipped by found_inf), so this step initialises them as a first step.
+  const float* first_step_pending = nullptr;
+
+  bool uses_lars() const {
+    for (const SgdTensor& t : tensors)
+      if (groups[t.group].trust_coefficient != 0.f) return true;
+    return false;
+  }
+};
+
+// The buffer mode a kernel applies; it reads the pending flag on the device, not the host.
+BB_HOST_DEVICE BufferMode effective_mode(BufferMode mode, const float* first_step_pending) {
+  return mode == BufferMode::Update && first_step_pending != nullptr && *first_step_pending != 0.f
+             ? BufferMode::First
+             : mode;
+}
 
 // The scalars of one tensor's update in one step, broadcast to the kernel's number type.
 template <typename V>
