@@ -21,4 +21,23 @@ std::string TorusShape::describe() const {
                   " torus");
 }
 
+std::string describe_phase(const TorusShape& shape, Phase phase) {
+  auto list = [](const std::vector<int>& ranks) {
+    std::string text;
+    for (int rank : ranks) text += (text.empty() ? "" : ", ") + std::to_string(rank);
+    return "ranks " + text;
+  };
+  const std::string row = c10::str("row ", shape.y(), " (", list(shape.row_ranks()), ")");
+  const std::string column =
+      c10::str("column ", shape.x(), " (", list(shape.column_ranks()), ")");
+  switch (phase) {
+    case Phase::RowScatter: return "reduce-scatter along " + row;
+    case Phase::ColumnScatter: return "reduce-scatter along " + column;
+    case Phase::ColumnAllreduce: return "allreduce along " + column;
+    case Phase::ColumnGather: return "allgather along " + column;
+    case Phase::RowGather: return "allgather along " + row;
+  }
+  return "unknown phase";
+}
+
 }  // namespace torch_bigbatch::torus

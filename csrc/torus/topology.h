@@ -22,6 +22,13 @@ struct TorusShape {
   std::string describe() const;  // "rank 5 at x=1, y=1 of a 4x4 torus"
 };
 
+// The phases of a torus allreduce. The host pipeline runs the column as a reduce-scatter and an
+// allgather of its own; the stream pipeline runs NCCL's allreduce there.
+enum class Phase { RowScatter, ColumnScatter, ColumnAllreduce, ColumnGather, RowGather };
+
+// "reduce-scatter along row 1 (ranks 2, 3)": what a failure message names.
+std::string describe_phase(const TorusShape& shape, Phase phase);
+
 // The row has two groups, one per row phase, so that the reduce-scatter of one segment and
 // the allgather of another run at once, and each group sees its collectives in one fixed order.
 struct Engines {
