@@ -1,11 +1,11 @@
 """Benchmark allreduce on this machine: backend "torus" against plain "gloo", same run.
 
-P processes (one per rank, OMP_NUM_THREADS=1 as torchrun sets it) join a default process
-group of backend "torus" with the torus shape asked for, and a Gloo group of the same ranks
-(new_group(backend="gloo")). For every size, the two take turns over several rounds; a round
-times `--iters` back-to-back synchronous fp32 allreduces after a barrier, and the table gives
-the median time of one allreduce on rank 0, the bus bandwidth (nccl-tests' convention:
-bytes * 2(p-1)/p / time) and the speedup of torus over Gloo.
+P processes (one per rank, OMP_NUM_THREADS=1 as torchrun sets it) join a Gloo group and one
+torus group per algorithm asked for ("auto": the default, picking per size; "torus": always the
+2D torus), all of the same ranks. For every size, the groups take turns over several rounds; a
+round times `--iters` back-to-back synchronous fp32 allreduces after a barrier, and the table
+gives the median time of one allreduce on rank 0, the bus bandwidth (nccl-tests' convention:
+bytes * 2(p-1)/p / time) and each algorithm's speedup over Gloo.
 
 Run it from the repository root:
 
@@ -27,11 +27,12 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import torch_bigbatch  # noqa: E402
 from common import write_csv  # noqa: E402
-from torch_bigbatch.distributed import TorusOptions, parse_shape  # noqa: E402
+from torch_bigbatch.distributed import TorusOptions, parse_shape, torus_algorithm  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
-CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo"]
+CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
+              "runs"]
 
 
 def parse_size(text):
@@ -58,32 +59,30 @@ def time_round(run, group, iters):
 
 def worker(rank, world, shape, sizes, args, port, results):
     torch.set_num_threads(1)
-    options = TorusOptions(shape=shape, segment_bytes=args.segment_bytes,
-                           flat_threshold_bytes=args.flat_threshold_bytes)
-    dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, pg_options=options,
-                            timeout=datetime.timedelta(seconds=120))
-    gloo = dist.new_group(backend="gloo")
-    torus = dist.group.WORLD
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    groups = {"gloo": dist.group.WORLD}
+    for algorithm in args.algorithms:
+        groups[algorithm] = dist.new_group(backend="torus", pg_options=TorusOptions(
+            shape=shape, algorithm=algorithm, segment_bytes=args.segment_bytes))
     rows = []
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
-        medians = {}
-        for group in (gloo, torus):
+        times = {}
+        for group in groups.values():
             dist.all_reduce(tensor, group=group)  # warm-up: connections, allocations
-        for _ in range(args.rounds):  # the backends take turns, so drift hits both
-            for name, group in (("gloo", gloo), ("torus", torus)):
-                seconds = time_round(lambda: dist.all_reduce(tensor, group=group), torus, iters)
-                medians.setdefault(name, []).append(seconds)
-        for name in ("gloo", "torus"):
-            medians[name] = statistics.median(medians[name])
-        for name in ("gloo", "torus"):
-            seconds = medians[name]
+        for _ in range(args.rounds):  # the groups take turns, so drift hits all
+            for name, group in groups.items():
+                seconds = time_round(lambda: dist.all_reduce(tensor, group=group), group, iters)
+                times.setdefault(name, []).append(seconds)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        for name, seconds in medians.items():
             bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
+            runs = "gloo" if name == "gloo" else torus_algorithm(nbytes, groups[name])
             rows.append({"shape": f"{shape[0]}x{shape[1]}", "ranks": world, "bytes": nbytes,
                          "backend": name, "ms": seconds * 1e3, "bus_gb_per_s": bus,
-                         "speedup_vs_gloo": medians["gloo"] / seconds})
+                         "speedup_vs_gloo": medians["gloo"] / seconds, "runs": runs})
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -104,17 +103,19 @@ def run_shape(shape, sizes, args, port):
 
 
 def print_table(rows):
-    print(f"\n{rows[0]['ranks']} ranks as {rows[0]['shape']} (fp32 allreduce, median ms)")
-    print(f"{'size':>9} | {'gloo ms':>9} | {'torus ms':>9} | {'speedup':>7} | "
-          f"{'gloo bus GB/s':>13} | {'torus bus GB/s':>14}")
+    names = list(dict.fromkeys(row["backend"] for row in rows))
+    print(f"\n{rows[0]['ranks']} ranks as {rows[0]['shape']} (fp32 allreduce, median ms; "
+          "speedup over Gloo, and what auto ran)")
+    header = f"{'size':>9} | " + " | ".join(f"{name + ' ms':>10}" for name in names)
+    print(header + " | " + " | ".join(f"{name + ' x':>8}" for name in names[1:]))
     by_size = {}
     for row in rows:
         by_size.setdefault(row["bytes"], {})[row["backend"]] = row
-    for nbytes, pair in by_size.items():
-        gloo, torus = pair["gloo"], pair["torus"]
-        print(f"{label(nbytes):>9} | {gloo['ms']:9.2f} | {torus['ms']:9.2f} | "
-              f"{torus['speedup_vs_gloo']:6.2f}x | {gloo['bus_gb_per_s']:13.3f} | "
-              f"{torus['bus_gb_per_s']:14.3f}")
+    for nbytes, group in by_size.items():
+        times = " | ".join(f"{group[name]['ms']:10.2f}" for name in names)
+        speedups = " | ".join(f"{group[name]['speedup_vs_gloo']:7.2f}x" for name in names[1:])
+        ran = f"  ({group['auto']['runs']})" if "auto" in group else ""
+        print(f"{label(nbytes):>9} | {times} | {speedups}{ran}")
 
 
 def main():
@@ -124,9 +125,9 @@ def main():
     parser.add_argument("--iters", type=int, default=20, help="allreduces per round (fewer "
                         "for large sizes: at most 64 MiB moved per round)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--algorithms", nargs="+", default=["auto", "torus"],
+                        choices=("auto", "torus", "flat"), help="torus groups to time")
     parser.add_argument("--segment-bytes", type=parse_size, default=TorusOptions.segment_bytes)
-    parser.add_argument("--flat-threshold-bytes", type=parse_size,
-                        default=TorusOptions.flat_threshold_bytes)
     parser.add_argument("--port", type=int, default=29655)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()

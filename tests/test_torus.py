@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
-from torch_bigbatch.distributed import TorusOptions, resolve_shape, torus_shape
+from torch_bigbatch.distributed import (TorusOptions, auto_torus_max_bytes, resolve_shape,
+                                        torus_algorithm, torus_shape)
 
 from conftest import CUDA, needs_cuda
 from multiprocess import run_ranks
@@ -58,10 +59,15 @@ def check_bfloat16(actual, inputs, op, world_size, what):
 
 
 def allreduce_matches_gloo(rank, world_size, port, shape):
-    init(rank, world_size, port, TorusOptions(shape=shape, segment_bytes=64 << 20))
+    """Every path: small buffers in two exchanges, larger ones in up to four, in one segment or
+    in many, and the whole group's own allreduce ("flat", with AVG divided by the torus)."""
+    init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus",
+                                              segment_bytes=64 << 20))
     paths = {"unsegmented": dist.group.WORLD,
              "segmented": dist.new_group(backend="torus", pg_options=TorusOptions(
-                 shape=shape, segment_bytes=SMALL_SEGMENTS))}
+                 shape=shape, algorithm="torus", segment_bytes=SMALL_SEGMENTS)),
+             "flat": dist.new_group(backend="torus", pg_options=TorusOptions(
+                 shape=shape, algorithm="flat"))}
     gloo = dist.new_group(backend="gloo")
     assert torus_shape() == shape
     checked = 0
@@ -109,8 +115,8 @@ def allreduce_matches_gloo(rank, world_size, port, shape):
 @pytest.mark.parametrize("shape", [(1, 4), (4, 1), (2, 2), (2, 3), (3, 2), (2, 4)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_allreduce_equals_gloo(shape):
-    checked = run_ranks(allreduce_matches_gloo, shape[0] * shape[1], shape, deadline=240)
-    assert checked[0] == 2 * 3 * (4 * 5 - 1)
+    checked = run_ranks(allreduce_matches_gloo, shape[0] * shape[1], shape, deadline=300)
+    assert checked[0] == 3 * 3 * (4 * 5 - 1)
 
 
 def collectives_and_subgroups(rank, world_size, port):
@@ -220,8 +226,8 @@ def size_mismatch(rank, world_size, port):
     return time.monotonic() - start, None
 
 
-def killed_rank(rank, world_size, port):
-    init(rank, world_size, port, seconds=5)
+def killed_rank(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=5)
     dist.all_reduce(torch.ones(10))  # every group is connected
     if rank == 3:
         os._exit(1)
@@ -234,13 +240,16 @@ def killed_rank(rank, world_size, port):
     return time.monotonic() - start, None
 
 
-def test_killed_rank_ends_in_errors_within_timeout():
-    outcomes = run_ranks(killed_rank, 4, deadline=60, allow_missing=(3,))
+@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+def test_killed_rank_ends_in_errors_within_timeout(algorithm):
+    """Every surviving rank raises within the timeout, with the phase and its ranks named."""
+    outcomes = run_ranks(killed_rank, 4, algorithm, deadline=60, allow_missing=(3,))
     assert outcomes[3] == ("exited", 1)
+    where = ("row", "column") if algorithm == "torus" else ("the whole group",)
     for rank, (seconds, message) in enumerate(outcomes[:3]):
         assert message is not None, f"rank {rank} returned a result despite the fault"
         assert seconds < 5 + 3, f"rank {rank} failed after {seconds:.1f} s (timeout 5 s)"
-        assert "torus allreduce" in message and ("row" in message or "column" in message), message
+        assert "torus allreduce failed" in message and any(w in message for w in where), message
 
 
 def test_size_mismatch_ends_every_rank_within_timeout():
@@ -259,6 +268,152 @@ def test_size_mismatch_ends_every_rank_within_timeout():
         assert "torus allreduce" in message, message
         raised += 1
     assert raised > 0
+
+
+def differing_calls(rank, world_size, port, shape, mine, theirs):
+    """Rank 0 passes `mine` (a dtype and an element count), the others `theirs`: the sizes in
+    bytes the torus exchanges are the same, so only the headers can tell."""
+    init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus"), seconds=10)
+    dtype, numel = mine if rank == 0 else theirs
+    try:
+        dist.all_reduce(torch.ones(numel, dtype=dtype))
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        return None
+    try:  # the backend refuses to go on: its groups' sequences may differ between ranks now
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as error:
+        return message, str(error)
+    return message, None
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1), (1, 4), (2, 3)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mine,theirs", [
+    ((torch.float32, 3), (torch.float32, 4)),  # 12 and 16 bytes: regions of 16 bytes alike
+    ((torch.int32, 8), (torch.float32, 8)),  # the same bytes, another dtype
+    ((torch.int32, 100_000), (torch.float32, 100_000)),  # past the two-exchange size
+], ids=["3_vs_4", "int32_vs_float32", "large_int32_vs_float32"])
+def test_ranks_that_pass_different_buffers_all_fail(shape, mine, theirs):
+    """Where the bytes exchanged match, every rank raises, naming the difference (plain Gloo
+    returns [4, 4, 4, 3] for 3 against 4 elements); none returns a result, and later allreduces
+    are refused. (Where a rank receives more bytes than it posted, Gloo aborts the process: see
+    the next tests.)"""
+    world_size = shape[0] * shape[1]
+    outcomes = run_ranks(differing_calls, world_size, shape, mine, theirs, deadline=60)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None, f"rank {rank} returned a result"
+        message, later = outcome
+        assert "the ranks passed different buffers" in message, message
+        assert later is not None and "unusable after an earlier failure" in later, later
+
+
+def bool_and_integer_ops(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm))
+    gloo = dist.new_group(backend="gloo")
+    flags = torch.tensor([rank % 2 == 0, rank == 1, True, False, rank < 2])
+    results = {}
+    for op in ("SUM", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR"):
+        mine, expected = flags.clone(), flags.clone()
+        dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
+        if op in ("BAND", "BOR", "BXOR"):  # Gloo refuses these on bool: as bytes of 0 and 1
+            expected = expected.to(torch.uint8)
+            dist.all_reduce(expected, op=getattr(dist.ReduceOp, op), group=gloo)
+            expected = expected.bool()
+        else:
+            dist.all_reduce(expected, op=getattr(dist.ReduceOp, op), group=gloo)
+        results[op] = (mine.tolist(), expected.tolist())
+    try:
+        dist.all_reduce(torch.arange(5), op=dist.ReduceOp.AVG)
+    except (RuntimeError, ValueError) as error:
+        results["AVG int64"] = str(error)
+    return results
+
+
+@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+def test_bool_tensors_as_gloo_and_integer_average_refused(algorithm):
+    for results in run_ranks(bool_and_integer_ops, 4, algorithm):
+        for op, (mine, expected) in ((op, v) for op, v in results.items() if op != "AVG int64"):
+            assert mine == expected, op
+        assert "ReduceOp.AVG needs a floating-point tensor, got Long" in results["AVG int64"]
+
+
+def world_of_one(rank, world_size, port):
+    init(rank, world_size, port)
+    messages = []
+    for group in (None, dist.new_group([0], backend="torus")):
+        try:
+            dist.all_reduce(torch.arange(5), op=dist.ReduceOp.AVG, group=group)
+        except (RuntimeError, ValueError) as error:
+            messages.append(str(error))
+    numbers = torch.arange(5.0)
+    dist.all_reduce(numbers, op=dist.ReduceOp.AVG)
+    return messages, numbers.tolist()
+
+
+def test_integer_average_on_one_rank_is_an_error_not_an_abort():
+    """Once, a one-rank group divided integers in a Gloo callback and aborted the process."""
+    messages, numbers = run_ranks(world_of_one, 1)[0]
+    assert len(messages) == 2 and all("AVG needs a floating-point" in m for m in messages)
+    assert numbers == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def shapes_from_the_environment(rank, world_size, port):
+    os.environ["TORCH_BIGBATCH_TORUS"] = "2x2" if rank != 2 else "4x1"
+    try:
+        init(rank, world_size, port, seconds=20)
+    except ValueError as error:
+        return str(error)
+
+
+def test_ranks_that_disagree_on_the_shape_all_fail_at_once():
+    start = time.monotonic()
+    for message in run_ranks(shapes_from_the_environment, 4, deadline=60):
+        assert message is not None and "disagree on its shape" in message, message
+        assert "rank 0 2x2" in message and "rank 2 4x1" in message, message
+    assert time.monotonic() - start < 20, "they failed only at the timeout"
+
+
+def algorithm_choice(rank, world_size, port):
+    init(rank, world_size, port)
+    groups = {name: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm=name))
+              for name in ("torus", "flat")}
+    groups["limit"] = dist.new_group(backend="torus", pg_options=TorusOptions(
+        torus_max_bytes=1000))
+    limit = auto_torus_max_bytes(2, 2)
+    return {"auto small": torus_algorithm(limit), "auto large": torus_algorithm(limit + 1),
+            "cuda": torus_algorithm(4, device="cuda"),
+            "torus": torus_algorithm(1 << 30, groups["torus"]),
+            "flat": torus_algorithm(4, groups["flat"]),
+            "limit": (torus_algorithm(1000, groups["limit"]),
+                      torus_algorithm(1001, groups["limit"]))}
+
+
+def test_the_algorithm_each_size_takes_is_visible_and_can_be_forced():
+    assert run_ranks(algorithm_choice, 4)[0] == {
+        "auto small": "torus", "auto large": "flat", "cuda": "flat", "torus": "torus",
+        "flat": "flat", "limit": ("torus", "flat")}
+    assert auto_torus_max_bytes(1, 1) == 0 and auto_torus_max_bytes(4, 4, "cuda") == 0
+    assert 0 < auto_torus_max_bytes(2, 2) < auto_torus_max_bytes(4, 4)
+
+
+def size_mismatch_in_detail_mode(rank, world_size, port):
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()  # torch read the variable at import, before this
+    init(rank, world_size, port, seconds=10)
+    assert torus_shape() == (2, 2)  # seen through torch's checking wrapper
+    try:
+        dist.all_reduce(torch.ones(100_000 + (rank == 1) * 50_000))
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_size_mismatch_under_distributed_debug_detail_fails_every_rank_before_any_data():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the torus as torch wraps its own backends: the ranks
+    compare their calls first, so none aborts and each says what differs."""
+    for message in run_ranks(size_mismatch_in_detail_mode, 4, deadline=60):
+        assert message is not None and "mismatch" in message.lower(), message
+        assert "150000" in message or "100000" in message, message
 
 
 def shape_mismatch(rank, world_size, port):
@@ -297,8 +452,10 @@ def test_resolve_shape(monkeypatch):
 def test_options_are_checked():
     with pytest.raises(ValueError, match="segment_bytes"):
         TorusOptions(segment_bytes=0)
-    with pytest.raises(ValueError, match="flat_threshold_bytes"):
-        TorusOptions(flat_threshold_bytes=-1)
+    with pytest.raises(ValueError, match="torus_max_bytes"):
+        TorusOptions(torus_max_bytes=-1)
+    with pytest.raises(ValueError, match="algorithm must be one of auto, torus, flat"):
+        TorusOptions(algorithm="ring")
 
 
 def cuda_world_of_one(rank, world_size, port):

@@ -4,25 +4,25 @@
 
 namespace torch_bigbatch::torus {
 
-at::Tensor ScratchPool::take(int64_t numel, const at::Tensor& like) {
-  int64_t bytes = numel * like.element_size();
-  auto fits = std::find_if(free_.begin(), free_.end(), [&](const at::Tensor& buffer) {
-    return buffer.numel() == bytes && buffer.device() == like.device();
-  });
-  at::Tensor buffer;
-  if (fits != free_.end()) {
-    buffer = std::move(*fits);
-    free_.erase(fits);
-  } else {
-    buffer = at::empty({bytes}, like.options().dtype(at::kByte));
+at::Tensor ScratchPool::take(int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto fits = std::find_if(free_.begin(), free_.end(),
+                             [&](const at::Tensor& buffer) { return buffer.numel() == bytes; });
+    if (fits != free_.end()) {
+      at::Tensor buffer = std::move(*fits);
+      free_.erase(fits);
+      return buffer;
+    }
   }
-  return buffer.view(like.scalar_type());
+  return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
 }
 
-void ScratchPool::give(at::Tensor tensor) {
-  if (!tensor.defined()) return;
+void ScratchPool::give(at::Tensor buffer) {
+  if (!buffer.defined()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
   if (free_.size() == kMaxKept) free_.erase(free_.begin());
-  free_.push_back(tensor.view(at::kByte));
+  free_.push_back(buffer.view(at::kByte));  // take() hands out bytes, viewed as any dtype
 }
 
 }  // namespace torch_bigbatch::torus

@@ -1,23 +1,26 @@
 // Reused host buffers for the torus phases. A fresh large allocation is a fresh mmap: its
 // page faults and zeroing cost as much as the copies of a loopback allreduce, on every call.
+// Thread-safe: the phases' callbacks run on the worker threads of several process groups.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <mutex>
 #include <vector>
 
 namespace torch_bigbatch::torus {
 
 class ScratchPool {
  public:
-  // A tensor of `numel` elements of `like`'s dtype and device, contents undefined.
-  at::Tensor take(int64_t numel, const at::Tensor& like);
-  // Returns a tensor from take() to the pool.
-  void give(at::Tensor tensor);
+  // A byte tensor of `bytes` bytes on the CPU, contents undefined.
+  at::Tensor take(int64_t bytes);
+  // Returns a tensor from take(), in any dtype, to the pool (an undefined tensor is ignored).
+  void give(at::Tensor buffer);
 
  private:
-  static constexpr size_t kMaxKept = 16;  // the pipeline has few segments in flight
-  std::vector<at::Tensor> free_;          // byte buffers
+  static constexpr size_t kMaxKept = 32;  // a few segments in flight, five buffers each
+  std::mutex mutex_;
+  std::vector<at::Tensor> free_;
 };
 
 }  // namespace torch_bigbatch::torus

@@ -32,6 +32,7 @@ std::string describe_phase(const TorusShape& shape, Phase phase) {
       c10::str("column ", shape.x(), " (", list(shape.column_ranks()), ")");
   switch (phase) {
     case Phase::RowScatter: return "reduce-scatter along " + row;
+    case Phase::RowAllreduce: return "allreduce along " + row;
     case Phase::ColumnScatter: return "reduce-scatter along " + column;
     case Phase::ColumnAllreduce: return "allreduce along " + column;
     case Phase::ColumnGather: return "allgather along " + column;

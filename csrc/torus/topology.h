@@ -23,19 +23,25 @@ struct TorusShape {
 };
 
 // The phases of a torus allreduce. The host pipeline runs the column as a reduce-scatter and an
-// allgather of its own; the stream pipeline runs NCCL's allreduce there.
-enum class Phase { RowScatter, ColumnScatter, ColumnAllreduce, ColumnGather, RowGather };
+// allgather of its own, or as one allreduce, and small buffers as an allreduce along the row
+// and one along the column; the stream pipeline runs NCCL's allreduce along the column.
+enum class Phase {
+  RowScatter, RowAllreduce, ColumnScatter, ColumnAllreduce, ColumnGather, RowGather
+};
 
 // "reduce-scatter along row 1 (ranks 2, 3)": what a failure message names.
 std::string describe_phase(const TorusShape& shape, Phase phase);
 
-// The row has two groups, one per row phase, so that the reduce-scatter of one segment and
-// the allgather of another run at once, and each group sees its collectives in one fixed order.
+// Each phase has a group of its own (the row and, on the host, the column twice), so that phases
+// of different segments run at once and every group sees its collectives in one fixed order.
 struct Engines {
-  c10::intrusive_ptr<c10d::Backend> whole;        // every rank: small and delegated collectives
-  c10::intrusive_ptr<c10d::Backend> row_scatter;  // this rank's row (null when X == 1)
-  c10::intrusive_ptr<c10d::Backend> column;       // this rank's column (null when Y == 1)
-  c10::intrusive_ptr<c10d::Backend> row_gather;   // this rank's row again (null when X == 1)
+  c10::intrusive_ptr<c10d::Backend> whole;          // every rank: flat and delegated collectives
+  c10::intrusive_ptr<c10d::Backend> row_scatter;    // this rank's row (null when X == 1)
+  c10::intrusive_ptr<c10d::Backend> column;         // this rank's column (null when Y == 1): its
+                                                    // reduce-scatter (host) or allreduce (CUDA)
+  c10::intrusive_ptr<c10d::Backend> column_gather;  // the column again, for the host's allgather
+                                                    // (only when Y > 2, and not on CUDA)
+  c10::intrusive_ptr<c10d::Backend> row_gather;     // this rank's row again (null when X == 1)
 };
 
 }  // namespace torch_bigbatch::torus

@@ -11,6 +11,7 @@ namespace {
 
 bool host_pipeline_supports(at::ScalarType dtype) {
   switch (dtype) {
+    case at::kBool:
     case at::kFloat:
     case at::kDouble:
     case at::kHalf:
@@ -28,6 +29,23 @@ bool host_pipeline_supports(at::ScalarType dtype) {
 bool is_bitwise(const c10d::ReduceOp& op) {
   return op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR ||
          op.op_ == c10d::ReduceOp::BXOR;
+}
+
+// The op on bytes of 0 and 1 that a bool op is: SUM, MAX and BOR are "any", PRODUCT, MIN and
+// BAND "all", as Gloo reduces bools.
+c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::BOR:
+      return c10d::ReduceOp::MAX;
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::BAND:
+      return c10d::ReduceOp::MIN;
+    default:
+      return op;  // BXOR of 0 and 1 stays 0 or 1
+  }
 }
 
 }  // namespace
@@ -51,10 +69,9 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
                 "torus: the row and column process groups do not match the shape ",
                 shape_.columns, "x", shape_.rows);
   }
-  if (cpu_) {
-    host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.segment_bytes,
-                                           settings_.timeout);
-  }
+  TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
+              "torus: the host pipeline needs a second column group when Y > 2, and only then");
+  if (cpu_) host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.segment_bytes);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -88,10 +105,9 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                                                              const c10d::ReduceOp& op,
                                                              c10d::OpType op_type,
                                                              const char* collective) {
-  // Detached aliases from here on (the same memory, no autograd links): engine threads and the
-  // progress thread may drop the last reference to what they hold, and a reference to the
-  // caller's tensor would release its Python object there, which needs the GIL: fatal while
-  // the interpreter exits.
+  // Detached aliases from here on (the same memory, no autograd links): engine threads may drop
+  // the last reference to what they hold, and a reference to the caller's tensor would release
+  // its Python object there, which needs the GIL: fatal while the interpreter exits.
   for (auto& tensor : tensors) tensor = tensor.detach();
   const at::Tensor& first = tensors.front();
   int64_t bytes = 0;
@@ -104,51 +120,79 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                 tensor.scalar_type(), " on ", tensor.device());
     bytes += tensor.numel() * tensor.element_size();
   }
-  const Engines& engines = engines_for(first.device().type(), collective);
-  bool on_host = first.device().is_cpu();
+  const at::ScalarType dtype = first.scalar_type();
+  // One division of the sum for every path and device: an integer mean would round twice in
+  // the torus, and Gloo has no AVG; the caller chooses how to round.
+  TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG || at::isFloatingType(dtype), "torus ", collective,
+              ": ReduceOp.AVG needs a floating-point tensor, got ", dtype,
+              " (reduce with ReduceOp.SUM and divide as your integers need)");
   if (is_bitwise(op)) {
-    TORCH_CHECK(!at::isFloatingType(first.scalar_type()) && !at::isComplexType(first.scalar_type()),
-                "torus ", collective, ": bitwise ReduceOps need an integer tensor, got ",
-                first.scalar_type());
+    TORCH_CHECK(!at::isFloatingType(dtype) && !at::isComplexType(dtype), "torus ", collective,
+                ": bitwise ReduceOps need an integer or bool tensor, got ", dtype);
   }
-
-  // Small buffers, one-rank groups and PREMUL_SUM: one collective of the whole group.
-  if (bytes < settings_.flat_threshold_bytes || getSize() == 1 ||
-      op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    bool emulate_average = on_host && op.op_ == c10d::ReduceOp::AVG;  // Gloo has no AVG
-    c10d::ReduceOp engine = emulate_average ? engine_op(op) : op;
-    c10::intrusive_ptr<c10d::Work> work;
-    if (op_type == c10d::OpType::ALLREDUCE) {
-      c10d::AllreduceOptions options;
-      options.reduceOp = engine;
-      work = engines.whole->allreduce(tensors, options);
-    } else {
-      c10d::AllreduceCoalescedOptions options;
-      options.reduceOp = engine;
-      work = engines.whole->allreduce_coalesced(tensors, options);
-    }
-    if (!emulate_average) return work;
-    auto averaged = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
-    work->getFuture()->addCallback(
-        [averaged, op, size = getSize()](c10::ivalue::Future& summed) {
-          if (summed.hasError()) return averaged->fail(summed.exception_ptr());
-          for (auto& tensor : averaged->result()) finish_average(tensor, op, size);
-          averaged->complete();
-        });
-    return averaged;
-  }
+  const Engines& engines = engines_for(first.device().type(), collective);
+  const bool on_host = first.device().is_cpu();
+  const int64_t torus_max_bytes =
+      on_host ? settings_.cpu_torus_max_bytes : settings_.cuda_torus_max_bytes;
+  if (bytes > torus_max_bytes || getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM)
+    return whole_allreduce(engines, std::move(tensors), op, op_type);
 
   if (on_host) {
-    TORCH_CHECK(host_pipeline_supports(first.scalar_type()), "torus ", collective,
-                ": dtype ", first.scalar_type(), " is not supported on CPU tensors");
-    TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG || at::isFloatingType(first.scalar_type()),
-                "torus ", collective, ": ReduceOp.AVG needs a floating-point tensor, got ",
-                first.scalar_type());
+    TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,
+                " is not supported on CPU tensors (float, double, half, bfloat16, bool and "
+                "integer types are)");
     TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
+    if (dtype == at::kBool) {  // as bytes of 0 and 1: any (SUM, MAX, BOR) or all (the rest)
+      for (auto& tensor : tensors) tensor = tensor.view(at::kByte);
+      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type);
+    }
     return host_->allreduce(std::move(tensors), op, op_type);
   }
   return stream_allreduce(shape_, engines, std::move(tensors), op, op_type,
                           settings_.segment_bytes, side_stream(first.device()));
+}
+
+// One allreduce of the whole group: the engine's own, its failure named as the torus's are. On
+// the host the torus divides AVG (Gloo has no AVG) and reduces contiguous copies of
+// non-contiguous tensors (Gloo reads them as if they were contiguous: a wrong result), written
+// back when the engine is done.
+c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engines,
+                                                             std::vector<at::Tensor> tensors,
+                                                             const c10d::ReduceOp& op,
+                                                             c10d::OpType op_type) {
+  const bool on_host = tensors.front().device().is_cpu();
+  const bool emulate_average = on_host && op.op_ == c10d::ReduceOp::AVG;
+  std::vector<at::Tensor> reduced = tensors;
+  for (auto& tensor : reduced)
+    if (on_host) tensor = tensor.contiguous();  // itself when it is contiguous
+  const c10d::ReduceOp engine = emulate_average ? engine_op(op) : op;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (op_type == c10d::OpType::ALLREDUCE) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = engine;
+    work = engines.whole->allreduce(reduced, options);
+  } else {
+    c10d::AllreduceCoalescedOptions options;
+    options.reduceOp = engine;
+    work = engines.whole->allreduce_coalesced(reduced, options);
+  }
+  auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
+  work->getFuture()->addCallback([finished, reduced, op, size = getSize(),
+                                  where = shape_.describe()](c10::ivalue::Future& done) mutable {
+    try {
+      TORCH_CHECK(!done.hasError(), "torus allreduce failed in the allreduce of the whole group (",
+                  where, "): ", done.hasError() ? done.tryRetrieveErrorMessage() : "");
+      std::vector<at::Tensor> outputs = finished->result();
+      for (size_t i = 0; i < reduced.size(); ++i) {
+        finish_average(reduced[i], op, size);
+        if (!reduced[i].is_same(outputs[i])) outputs[i].copy_(reduced[i]);
+      }
+      finished->complete();
+    } catch (...) {
+      finished->fail(std::current_exception());
+    }
+  });
+  return finished;
 }
 
 c10::Stream TorusBackend::side_stream(c10::Device device) {
@@ -283,7 +327,8 @@ uint64_t TorusBackend::getSequenceNumberForGroup() {
 void TorusBackend::for_each_group(const std::function<void(c10d::Backend&)>& visit) {
   for (auto* engines : {cpu_ ? &*cpu_ : nullptr, cuda_ ? &*cuda_ : nullptr}) {
     if (engines == nullptr) continue;
-    for (auto& group : {engines->whole, engines->row_scatter, engines->column, engines->row_gather})
+    for (auto& group : {engines->whole, engines->row_scatter, engines->column,
+                        engines->column_gather, engines->row_gather})
       if (group) visit(*group);
   }
 }

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,9 +19,13 @@
 
 namespace torch_bigbatch::torus {
 
+// Which algorithm an allreduce runs: the torus for buffers of at most torus_max_bytes (per
+// device type), the whole group's allreduce above; torch_bigbatch/distributed/torus.py derives
+// the limits from TorusOptions.algorithm and the shape.
 struct TorusSettings {
-  int64_t segment_bytes = 16 << 20;       // pipelining unit of large buffers
-  int64_t flat_threshold_bytes = 0;       // below this, one allreduce on the whole group
+  int64_t segment_bytes = 16 << 20;  // pipelining unit of large buffers
+  int64_t cpu_torus_max_bytes = std::numeric_limits<int64_t>::max();
+  int64_t cuda_torus_max_bytes = std::numeric_limits<int64_t>::max();
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };
 
@@ -31,6 +36,7 @@ class TorusBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "torus"; }
   const TorusShape& shape() const { return shape_; }
+  const TorusSettings& settings() const { return settings_; }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -95,6 +101,9 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op,
                                                  c10d::OpType op_type, const char* collective);
+  c10::intrusive_ptr<c10d::Work> whole_allreduce(const Engines& engines,
+                                                 std::vector<at::Tensor> tensors,
+                                                 const c10d::ReduceOp& op, c10d::OpType op_type);
   c10::Stream side_stream(c10::Device device);
   void for_each_group(const std::function<void(c10d::Backend&)>& visit);
 

@@ -21,29 +21,41 @@ void bind_torus(py::module& m) {
       .def(py::init([](c10::intrusive_ptr<c10d::Backend> whole,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> row_scatter,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> column,
+                       std::optional<c10::intrusive_ptr<c10d::Backend>> column_gather,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> row_gather) {
              return Engines{std::move(whole), row_scatter.value_or(nullptr),
-                            column.value_or(nullptr), row_gather.value_or(nullptr)};
+                            column.value_or(nullptr), column_gather.value_or(nullptr),
+                            row_gather.value_or(nullptr)};
            }),
-           py::arg("whole"), py::arg("row_scatter"), py::arg("column"), py::arg("row_gather"));
+           py::arg("whole"), py::arg("row_scatter"), py::arg("column"),
+           py::arg("column_gather"), py::arg("row_gather"));
 
   py::class_<TorusBackend, c10d::Backend, c10::intrusive_ptr<TorusBackend>>(m, "TorusBackend")
       .def(py::init([](int rank, int size, int columns, int rows, std::optional<Engines> cpu,
                        std::optional<Engines> cuda, int64_t segment_bytes,
-                       int64_t flat_threshold_bytes, std::chrono::milliseconds timeout) {
+                       int64_t cpu_torus_max_bytes, int64_t cuda_torus_max_bytes,
+                       std::chrono::milliseconds timeout) {
              TorusShape shape{columns, rows, rank};
-             TorusSettings settings{segment_bytes, flat_threshold_bytes, timeout};
+             TorusSettings settings{segment_bytes, cpu_torus_max_bytes, cuda_torus_max_bytes,
+                                    timeout};
              return c10::make_intrusive<TorusBackend>(shape, size, std::move(cpu),
                                                       std::move(cuda), settings);
            }),
            py::arg("rank"), py::arg("size"), py::arg("columns"), py::arg("rows"),
            py::arg("cpu"), py::arg("cuda"), py::arg("segment_bytes"),
-           py::arg("flat_threshold_bytes"), py::arg("timeout"),
+           py::arg("cpu_torus_max_bytes"), py::arg("cuda_torus_max_bytes"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shape",
                              [](const TorusBackend& self) {
                                return std::make_pair(self.shape().columns, self.shape().rows);
-                             });
+                             })
+      .def_property_readonly(
+          "torus_max_bytes",
+          [](const TorusBackend& self) {
+            return std::make_pair(self.settings().cpu_torus_max_bytes,
+                                  self.settings().cuda_torus_max_bytes);
+          },
+          "(CPU, CUDA): the largest buffer an allreduce sends through the torus");
 }
 
 }  // namespace torch_bigbatch::torus

@@ -17,8 +17,14 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
+
+
+ALGORITHMS = ("auto", "torus", "flat")
+AUTO_BYTES_PER_STEP = 64 << 10  # see auto_torus_max_bytes
+_NO_LIMIT = 2**63 - 1
 
 
 @dataclasses.dataclass
@@ -28,21 +34,29 @@ class TorusOptions:
     shape: (X, Y) or "XxY": X ranks per row (usually the GPUs of a node), Y rows. None: the
         TORCH_BIGBATCH_TORUS environment variable for groups of the world's size, else X =
         LOCAL_WORLD_SIZE when it divides the group size, else the factorization nearest a square.
-    segment_bytes: large buffers are cut into segments of this size, and the three phases of
+    algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
+        group (Gloo's or NCCL's own); "auto" (default): the torus for buffers of at most
+        torus_max_bytes, the flat allreduce above (see auto_torus_max_bytes).
+    torus_max_bytes: with "auto", the largest buffer the torus takes; None: per device type, the
+        limit auto_torus_max_bytes gives for the shape.
+    segment_bytes: large buffers are cut into segments of this size, and the phases of
         consecutive segments overlap.
-    flat_threshold_bytes: buffers smaller than this take one allreduce of the whole group.
     """
 
     shape: tuple[int, int] | str | None = None
-    segment_bytes: int = 16 << 20
-    flat_threshold_bytes: int = 0
+    algorithm: str = "auto"
+    torus_max_bytes: int | None = None
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
 
     def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got "
+                             f"{self.algorithm!r}")
         if self.segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {self.segment_bytes}")
-        if self.flat_threshold_bytes < 0:
+        if self.torus_max_bytes is not None and self.torus_max_bytes < 0:
             raise ValueError(
-                f"flat_threshold_bytes must be non-negative, got {self.flat_threshold_bytes}")
+                f"torus_max_bytes must be non-negative or None, got {self.torus_max_bytes}")
 
 
 def parse_shape(spec) -> tuple[int, int]:
@@ -76,6 +90,35 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
     return columns, size // columns
 
 
+def auto_torus_max_bytes(columns, rows, device="cpu"):
+    """The largest buffer that algorithm "auto" sends through the torus on a torus of `columns`
+    x `rows` ranks; larger ones take the whole group's allreduce.
+
+    CPU (Gloo): each torus phase is one direct exchange with every peer of a row or column, so a
+    torus allreduce takes 4 steps (2 with one row) where Gloo's ring takes 2(p - 1), but it
+    also copies each buffer about three times more. The limit grows with the steps saved, at
+    AUTO_BYTES_PER_STEP per step, a constant measured with benchmarks/bench_allreduce.py on
+    loopback (README, "The torus backend"). CUDA (NCCL): 0, the flat allreduce always: NCCL's
+    rings and trees beat the torus in the cost model from 16 GPUs up (cost_model), and no GPU
+    measurement says otherwise yet.
+    """
+    ranks = columns * rows
+    if device != "cpu" or ranks == 1:
+        return 0
+    steps_saved = 2 * (ranks - 1) - (2 if rows == 1 else 4)
+    return max(0, steps_saved) * AUTO_BYTES_PER_STEP
+
+
+def _torus_max_bytes(options, columns, rows, device):
+    if options.algorithm == "torus":
+        return _NO_LIMIT
+    if options.algorithm == "flat":
+        return -1
+    if options.torus_max_bytes is not None:
+        return options.torus_max_bytes
+    return auto_torus_max_bytes(columns, rows, device)
+
+
 def _gloo_group(store, rank, size, timeout, threads):
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_default_device()]
@@ -90,10 +133,12 @@ def _nccl_group(store, rank, size, timeout, threads):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _engines(make_group, store, prefix, rank, columns, rows, timeout):
-    """The whole group, the row (once per row phase) and the column of `rank`, each from its
-    own PrefixStore. Every rank builds them in the same order, so Gloo's connection
-    rendezvous (which blocks until the group's members arrive) cannot deadlock."""
+def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gather):
+    """The whole group, the row (once per row phase) and the column (once, or once per column
+    phase with `column_gather` when the column has more than two ranks: a column of two
+    allreduces in one exchange) of `rank`, each from its own PrefixStore. Every rank builds
+    them in the same order, so Gloo's connection rendezvous (which blocks until the group's
+    members arrive) cannot deadlock."""
     x, y = rank % columns, rank // columns
 
     def group(name, group_rank, group_size, threads=1):
@@ -103,8 +148,34 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout):
     whole = group("whole", rank, columns * rows, threads=2)
     row_scatter = group(f"row{y}/scatter", x, columns) if columns > 1 else None
     column = group(f"column{x}", y, rows) if rows > 1 else None
+    gather = group(f"column{x}/gather", y, rows) if rows > 2 and column_gather else None
     row_gather = group(f"row{y}/gather", x, columns) if columns > 1 else None
-    return _C.TorusEngines(whole, row_scatter, column, row_gather)
+    return _C.TorusEngines(whole, row_scatter, column, gather, row_gather)
+
+
+def _agree_on_shape(store, rank, size, resolve):
+    """The shape from `resolve()`, checked against every rank's: ranks that disagree (say,
+    TORCH_BIGBATCH_TORUS or LOCAL_WORLD_SIZE set differently) all fail at once with a message
+    that names the shapes, instead of at the first collective's timeout."""
+    try:
+        shape, problem = resolve(), None
+    except ValueError as error:
+        shape, problem = None, error
+    store.set(f"shape/{rank}", "x".join(map(str, shape)) if shape else f"none ({problem})")
+    if rank == 0:
+        shapes = [store.get(f"shape/{other}").decode() for other in range(size)]
+        differing = [f"rank {other} {spec}" for other, spec in enumerate(shapes)
+                     if spec != shapes[0]]
+        store.set("shape/verdict", "; ".join([f"rank 0 {shapes[0]}"] + differing)
+                  if differing else "agreed")
+    verdict = store.get("shape/verdict").decode()
+    if problem is not None:
+        raise problem
+    if verdict != "agreed":
+        raise ValueError(f"the ranks of a torus group disagree on its shape ({verdict}): set "
+                         "TORCH_BIGBATCH_TORUS, TorusOptions.shape or LOCAL_WORLD_SIZE alike "
+                         "on every rank")
+    return shape
 
 
 def create_torus_backend(backend_options, pg_options=None):
@@ -116,23 +187,39 @@ def create_torus_backend(backend_options, pg_options=None):
     store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
     world = dist.get_world_size() if dist.is_initialized() else size
-    columns, rows = resolve_shape(size, options.shape, world)
-    cpu = _engines(_gloo_group, store, "torus/cpu", rank, columns, rows, timeout)
+    columns, rows = _agree_on_shape(dist.PrefixStore("torus/", store), rank, size,
+                                    lambda: resolve_shape(size, options.shape, world))
+    cpu = _engines(_gloo_group, store, "torus/cpu", rank, columns, rows, timeout,
+                   column_gather=True)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda = _engines(_nccl_group, store, "torus/cuda", rank, columns, rows, timeout)
+        cuda = _engines(_nccl_group, store, "torus/cuda", rank, columns, rows, timeout,
+                        column_gather=False)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, options.segment_bytes,
-                           options.flat_threshold_bytes, timeout)
+                           _torus_max_bytes(options, columns, rows, "cpu"),
+                           _torus_max_bytes(options, columns, rows, "cuda"), timeout)
+
+
+def _torus_backend(group):
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = group._get_backend(torch.device("cpu"))
+    backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper
+    if not isinstance(backend, _C.TorusBackend):
+        raise ValueError(f"the group runs backend {dist.get_backend(group)!r}, not 'torus'")
+    return backend
 
 
 def torus_shape(group=None) -> tuple[int, int]:
     """(X, Y) of a process group of backend "torus" (default: the default group)."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    backend = group._get_backend(torch.device("cpu"))
-    if not isinstance(backend, _C.TorusBackend):
-        raise ValueError(
-            f"torus_shape: the group runs backend {dist.get_backend(group)!r}, not 'torus'")
-    return backend.shape
+    return _torus_backend(group).shape
+
+
+def torus_algorithm(nbytes, group=None, device="cpu") -> str:
+    """What an allreduce of `nbytes` bytes on `device` tensors runs in this torus group:
+    "torus" or "flat" (the whole group's own allreduce)."""
+    backend = _torus_backend(group)
+    limit = backend.torus_max_bytes[torch.device(device).type == "cuda"]
+    return "torus" if nbytes <= limit and dist.get_world_size(group) > 1 else "flat"
 
 
 def register() -> None:
