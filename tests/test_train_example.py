@@ -4,26 +4,12 @@ resumes by itself, micro-batches change nothing, and bad arguments fail with one
 
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from multiprocess import free_port
+from train_job import TINY, run_single, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
-TINY = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-per-rank", "32",
-        "--base-lr", "1.0", "--print-every", "1000"]
-
-
-def torchrun(args, processes=2, timeout=180):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
 
 
 def metrics(output):
@@ -88,15 +74,6 @@ def test_resume_mid_epoch(tmp_path):
         assert row["test_loss"] == same["test_loss"] and row["lr"] == same["lr"]
         # The epoch's losses are summed in another order across the stop: equal up to rounding.
         assert row["train_loss"] == pytest.approx(same["train_loss"], rel=1e-12)
-
-
-def run_single(args, rank=0, world_size=1, restart_count=0):
-    """The script in one process (no torchrun), as rank `rank` of `world_size`."""
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=60, env=env)
 
 
 def test_bad_arguments_end_with_one_clear_message(tmp_path):
