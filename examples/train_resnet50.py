@@ -14,7 +14,8 @@ control, and DDP over the "torus" backend (2D-torus allreduce) by default.
 Checkpoints (model, optimizer, scheduler, position, metrics) are written atomically by rank 0
 every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
 as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
-go to OUTPUT/metrics.csv and OUTPUT/metrics.png.
+go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments or data are refused with one
+message before any process group exists.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import csv
 import dataclasses
 import datetime
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -41,42 +43,82 @@ METRICS = ("epoch", "train_loss", "test_loss", "test_accuracy", "lr", "global_ba
            "images_per_second", "seconds")
 
 
+def rank():
+    return int(os.environ.get("RANK", 0))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors rank 0 alone prints: every rank refuses the same
+    arguments (exit code 2), and one message is enough."""
+
+    def error(self, message):
+        if rank() == 0:
+            super().error(message)
+        sys.exit(2)
+
+
+def checked(kind, valid, requirement):
+    """An argparse type: the text as a `kind`, refused with `requirement` unless valid(value)."""
+    def convert(text):
+        value = kind(text)  # a ValueError here gives argparse's "invalid int value: 'x'"
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
+POSITIVE = checked(int, lambda n: n > 0, "must be a positive integer")
+NON_NEGATIVE = checked(int, lambda n: n >= 0, "must be 0 or a positive integer")
+
+
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", choices=bb.recipes.RECIPES, default="goyal2017")
     parser.add_argument("--dataset", choices=("imagenet", "fashion-mnist", "synthetic"),
                         default=None, help="default: imagenet with --data, else fashion-mnist")
     parser.add_argument("--data", metavar="PATH", help="ImageNet root with train/ and val/")
     parser.add_argument("--fashion-mnist-root", default=bb.data.fashion_mnist.DEFAULT_ROOT)
-    parser.add_argument("--synthetic-size", type=int, default=2048,
+    parser.add_argument("--synthetic-size", type=POSITIVE, default=2048,
                         help="training images of --dataset synthetic (a quarter more to test)")
     parser.add_argument("--model", choices=("resnet50", "resnet18", "resnet_small"),
                         help="default: resnet50 on ImageNet, resnet_small otherwise")
-    parser.add_argument("--epochs", type=int,
+    parser.add_argument("--epochs", type=POSITIVE,
                         help="train this many epochs, the recipe's schedule shrunk to fit")
-    parser.add_argument("--batch-per-rank", type=int, help="samples per rank per step")
-    parser.add_argument("--base-lr", type=float,
+    parser.add_argument("--batch-per-rank", type=POSITIVE, help="samples per rank per step")
+    parser.add_argument("--base-lr", type=checked(float, lambda x: math.isfinite(x) and x >= 0,
+                                                  "must be a finite number >= 0"),
                         help="LR per the recipe's base batch (256 samples in goyal2017)")
-    parser.add_argument("--bn-group-size", type=int,
+    parser.add_argument("--bn-group-size",
+                        type=checked(int, lambda n: n == 0 or n >= 2, "must be 0 (nn.BatchNorm2d) "
+                                     "or at least 2 (one sample has no variance)"),
                         help="samples per BatchNorm group (0: nn.BatchNorm2d; default: the "
                         "recipe's)")
-    parser.add_argument("--max-local-batch", type=int, default=0,
+    parser.add_argument("--max-local-batch", default=0,
+                        type=checked(int, lambda n: n == 0 or n >= 2, "must be 0 (no micro-"
+                                     "batches) or at least 2 (BatchNorm needs 2 samples)"),
                         help="accumulate gradients over micro-batches of at most this size")
-    parser.add_argument("--backend", default="torus", help="torus (default), gloo or nccl")
+    parser.add_argument("--backend", choices=("torus", "gloo", "nccl"), default="torus")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even with CUDA")
     parser.add_argument("--output", default="runs/train_resnet50", help="checkpoints, metrics")
-    parser.add_argument("--checkpoint-every", type=int, default=500,
+    parser.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=500,
                         help="also checkpoint every N steps (0: only at epoch ends)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT's checkpoint")
-    parser.add_argument("--stop-after-epochs", type=int, default=0,
+    parser.add_argument("--stop-after-epochs", type=NON_NEGATIVE, default=0,
                         help="end this run after N epochs (checkpointed), to resume later")
-    parser.add_argument("--stop-after-steps", type=int, default=0,
+    parser.add_argument("--stop-after-steps", type=NON_NEGATIVE, default=0,
                         help="end this run after N steps (checkpointed), even mid-epoch")
-    parser.add_argument("--workers", type=int, default=8,
+    parser.add_argument("--workers", type=NON_NEGATIVE, default=8,
                         help="data-loading processes (ImageNet; in-memory data needs none)")
-    parser.add_argument("--print-every", type=int, default=20, help="steps between progress lines")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=300, help="collective timeout, seconds")
+    parser.add_argument("--print-every", type=POSITIVE, default=20,
+                        help="steps between progress lines")
+    # torch's generators take seeds below 2**64; the sampler adds the epoch.
+    parser.add_argument("--seed", default=0, type=checked(int, lambda n: 0 <= n < 2**63,
+                                                          "must be an integer in [0, 2**63)"))
+    parser.add_argument("--timeout", default=300,
+                        type=checked(float, lambda x: math.isfinite(x) and x > 0,
+                                     "must be a positive number of seconds"),
+                        help="collective timeout, seconds")
     return parser
 
 
@@ -176,12 +218,24 @@ def check_data(dataset, args):
                              "package dataset-fashion-mnist, or pass --fashion-mnist-root")
 
 
+def check_output(output):
+    """Rank 0 can create the directory `output` (or it is one) and write in it."""
+    existing = os.path.abspath(output)
+    while not os.path.exists(existing):  # the nearest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output {output}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output}: {existing} is not writable")
+
+
 class Setup:
-    """Everything decided before any process group exists: the recipe, the data, and where the
-    run starts and stops (so a bad argument fails once)."""
+    """Everything decided and checked before any process group exists: the recipe, the data,
+    and where the run starts and stops. A bad argument or data set is a ValueError here, which
+    every rank raises alike and rank 0 alone prints."""
 
     def __init__(self, args):
-        self.rank = int(os.environ.get("RANK", 0))
+        self.rank = rank()
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -201,7 +255,10 @@ class Setup:
                                          else "resnet_small")
         self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available()
                                    and not args.cpu else "cpu")
+        if args.backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("--backend nccl needs CUDA devices: use torus or gloo on the CPU")
         self.check_batches(args)
+        check_output(args.output)
         check_data(self.dataset, args)
         try:
             self.train, self.test, self.classes, self.channels = load_data(self.dataset, args)
@@ -222,13 +279,18 @@ class Setup:
                             args.stop_after_steps)
 
     def check_batches(self, args):
-        """No micro-batch of one sample: BatchNorm trains on 2 samples or more."""
+        """Every rank's batch, and each micro-batch of it, holds 2 samples or more: BatchNorm
+        normalizes none of fewer."""
         group = self.recipe.bn_group_size
         if args.max_local_batch and group and args.max_local_batch % group:
             raise ValueError(f"--max-local-batch {args.max_local_batch} must be a multiple of "
                              f"the BatchNorm group size {group}")
         for size in self.schedule.sizes:
             local = size // self.world_size
+            if local < 2:  # 1: the global batch is a multiple of the world size
+                raise ValueError(f"a global batch of {size} on {self.world_size} ranks leaves "
+                                 "one sample per rank, and BatchNorm needs 2 or more: raise "
+                                 "--batch-per-rank or use fewer ranks")
             if args.max_local_batch and local % args.max_local_batch == 1:
                 raise ValueError(f"--max-local-batch {args.max_local_batch} leaves a last "
                                  f"micro-batch of one sample of the {local} per rank")
@@ -238,6 +300,8 @@ class Setup:
         if len(self.train) < largest:
             raise ValueError(f"{len(self.train)} training images make no global batch of "
                              f"{largest}: use more data (--synthetic-size) or smaller batches")
+        if len(self.test) == 0:
+            raise ValueError("the test set is empty: use more data (--synthetic-size)")
 
 
 def micro_batches(images, labels, size):
@@ -371,9 +435,7 @@ def main(args):
     try:
         setup = Setup(args)
     except ValueError as error:  # one message, from rank 0, before any process group
-        if int(os.environ.get("RANK", 0)) == 0:
-            get_args_parser().error(str(error))
-        sys.exit(2)
+        get_args_parser().error(str(error))
     recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
 
     if device.type == "cuda":

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from train_job import TINY, run_single, torchrun
+from train_job import SCRIPT, TINY, run_single, torchrun
 
 pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
 
@@ -87,6 +87,8 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
         ([*TINY, "--recipe", "mlperf_lars"], "--batch-per-rank does not apply"),
         ([*TINY, "--bn-group-size", "0", "--max-local-batch", "31"],
          "leaves a last micro-batch of one sample"),
+        ([*TINY, "--print-every", "0"], "argument --print-every: must be a positive integer"),
+        ([*TINY, "--output", os.path.join(SCRIPT, "run")], "is a file, not a directory"),
     ]
     for args, message in cases:
         result = run_single(args)
@@ -132,4 +134,3 @@ def test_a_restarted_worker_resumes_by_itself(tmp_path):
     assert "resumed at epoch 2 step 0" in again.stdout and "finished after epoch 2" in again.stdout
     fresh = run_single(args)  # not a restart, no --resume: starts over
     assert "resumed" not in fresh.stdout
-
