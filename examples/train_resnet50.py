@@ -14,8 +14,8 @@ control, and DDP over the "torus" backend (2D-torus allreduce) by default.
 Checkpoints (model, optimizer, scheduler, position, metrics) are written atomically by rank 0
 every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
 as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
-go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments or data are refused with one
-message before any process group exists.
+go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments, data or checkpoints are refused
+with one message before any process group exists.
 """
 
 import argparse
@@ -39,6 +39,9 @@ import torch_bigbatch as bb
 from torch_bigbatch.schedules import DistributedBatchSampler
 
 CHECKPOINT = "checkpoint.pt"
+# What a checkpoint holds that resuming reads, and its type.
+CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
+                     "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
 METRICS = ("epoch", "train_loss", "test_loss", "test_accuracy", "lr", "global_batch",
            "images_per_second", "seconds")
 
@@ -139,6 +142,11 @@ class RunSpan:
         self.stop_after_epochs, self.stop_after_steps = stop_after_epochs, stop_after_steps
         self.epochs_run = self.steps_run = 0
 
+    @property
+    def finished(self):
+        """The checkpoint's run has trained every epoch: nothing is left."""
+        return self.start_epoch == len(self.iterations)
+
     def epochs(self):
         return range(self.start_epoch, len(self.iterations))
 
@@ -229,10 +237,37 @@ def check_output(output):
         raise ValueError(f"--output {output}: {existing} is not writable")
 
 
+def read_checkpoint(path, settings, iterations):
+    """The checkpoint at `path` if this run can continue it, else a ValueError that names the
+    file, the difference and what to do."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # random bytes, an empty file, a pickle of other objects...
+        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(error).__name__})"
+                         ": delete it, or give another --output") from error
+    wrong = [key for key, kind in CHECKPOINT_FIELDS.items()
+             if not isinstance(state, dict) or not isinstance(state.get(key), kind)]
+    if wrong:
+        raise ValueError(f"--resume: {path} is not a checkpoint of this job (no valid "
+                         f"{', '.join(wrong)}): delete it, or give another --output")
+    changed = [key for key in settings if state["settings"].get(key) != settings[key]]
+    if changed:
+        theirs = ", ".join(f"{key} {state['settings'].get(key)}" for key in changed)
+        ours = ", ".join(f"{key} {settings[key]}" for key in changed)
+        raise ValueError(f"--resume: {path} was written with {theirs}; this run has {ours}. "
+                         "Resume with the checkpoint's settings, or give another --output to "
+                         "start a new run")
+    epoch, step = state["epoch"], state["step"]
+    if not (0 <= epoch < len(iterations) and 0 <= step <= iterations[epoch]):
+        raise ValueError(f"--resume: {path} stopped at epoch {epoch} step {step}, outside this "
+                         f"run's {len(iterations)} epochs: delete it, or give another --output")
+    return state
+
+
 class Setup:
     """Everything decided and checked before any process group exists: the recipe, the data,
-    and where the run starts and stops. A bad argument or data set is a ValueError here, which
-    every rank raises alike and rank 0 alone prints."""
+    and where the run starts and stops. A bad argument, data set or checkpoint is a ValueError
+    here, which every rank raises alike and rank 0 alone prints."""
 
     def __init__(self, args):
         self.rank = rank()
@@ -268,15 +303,26 @@ class Setup:
         self.iterations = [self.schedule.batches(epoch, len(self.train))
                            for epoch in range(self.recipe.epochs)]
         self.checkpoint = os.path.join(args.output, CHECKPOINT)
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        if args.resume and not os.path.exists(self.checkpoint):
-            raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
-        self.resumed = None  # the checkpoint's contents, when resuming
-        if (args.resume or restarted) and os.path.exists(self.checkpoint):
-            self.resumed = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+        self.settings = {  # what a resumed run must share with the one it continues
+            "world size": self.world_size, "--recipe": self.recipe.name,
+            "--epochs": self.recipe.epochs, "--batch-per-rank": self.recipe.batch_per_rank,
+            "--base-lr": self.recipe.base_lr, "--bn-group-size": self.recipe.bn_group_size,
+            "--model": self.model_name, "--dataset": self.dataset,
+            "training images": len(self.train), "--seed": args.seed}
+        self.resumed = self.read_resumed(args)  # the checkpoint's contents, when resuming
         start = (self.resumed["epoch"], self.resumed["step"]) if self.resumed else (0, 0)
         self.span = RunSpan(self.iterations, *start, args.stop_after_epochs,
                             args.stop_after_steps)
+
+    def read_resumed(self, args):
+        """The checkpoint this run continues (with --resume, or restarted by torchrun), checked
+        against this run's settings; None for a new run."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if args.resume and not os.path.exists(self.checkpoint):
+            raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
+        if (args.resume or restarted) and os.path.exists(self.checkpoint):
+            return read_checkpoint(self.checkpoint, self.settings, self.iterations)
+        return None
 
     def check_batches(self, args):
         """Every rank's batch, and each micro-batch of it, holds 2 samples or more: BatchNorm
@@ -437,6 +483,11 @@ def main(args):
     except ValueError as error:  # one message, from rank 0, before any process group
         get_args_parser().error(str(error))
     recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
+    if span.finished:
+        if setup.rank == 0:
+            print(f"{setup.checkpoint} holds a finished run: nothing to resume (metrics in "
+                  f"{args.output})", flush=True)
+        return
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -495,7 +546,7 @@ def main(args):
             save_checkpoint(setup.checkpoint, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-                "epoch_loss": total, "metrics": rows,
+                "epoch_loss": total, "metrics": rows, "settings": setup.settings,
                 "args": vars(args), "recipe": dataclasses.asdict(recipe)})
 
     if setup.rank == 0:

@@ -1,11 +1,14 @@
-"""examples/train_resnet50.py refuses bad arguments and data up front, with one message naming
-the problem: checked in this process on the script's parser and its Setup, which run before any
-process group exists (nothing here trains)."""
+"""examples/train_resnet50.py refuses bad arguments, data and checkpoints up front, with one
+message naming the problem: checked in this process on the script's parser and its Setup, which
+run before any process group exists (nothing here trains, except the fixture of real
+checkpoints, which runs the script in a process)."""
 
 import os
+import re
 
 import pytest
-from train_job import TINY, import_script
+import torch
+from train_job import TINY, import_script, run_single
 
 train = import_script()
 
@@ -92,3 +95,96 @@ def test_setup_accepts_good_arguments(tmp_path):
     assert setup.iterations == [8, 8] and setup.resumed is None
     assert (setup.span.start_epoch, setup.span.start_step) == (0, 0)
     assert not os.path.exists(tmp_path / "a")  # checked, not created: rank 0 creates it
+
+
+def write_bytes(path):
+    path.write_bytes(bytes(range(256)) * 8)
+
+
+def write_empty(path):
+    path.write_bytes(b"")
+
+
+def write_a_list(path):
+    torch.save([1, 2, 3], path)
+
+
+def write_a_position_only(path):
+    torch.save({"epoch": 0, "step": 3}, path)
+
+
+@pytest.mark.parametrize("write, message", [
+    (write_bytes, "is not a readable checkpoint (UnpicklingError)"),
+    (write_empty, "is not a readable checkpoint (EOFError)"),
+    (write_a_list, "is not a checkpoint of this job (no valid model, optimizer, scheduler, "
+                   "epoch, step, epoch_loss, metrics, settings)"),
+    (write_a_position_only, "is not a checkpoint of this job (no valid model, optimizer, "
+                            "scheduler, epoch_loss, metrics, settings)"),
+])
+def test_a_damaged_checkpoint_is_refused_by_name(write, message, tmp_path):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "checkpoint.pt"
+    write(path)
+    text = refusal(["--resume"], tmp_path / "run")
+    assert text.startswith(f"--resume: {path} {message}")
+    assert text.endswith("delete it, or give another --output")
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """(arguments, checkpoint path) of a real run on one rank: 2 epochs of 8 steps, stopped after
+    3 steps (mid-epoch)."""
+    output = tmp_path_factory.mktemp("stopped") / "run"
+    args = [*TINY, "--epochs", "2", "--output", str(output)]
+    result = run_single([*args, "--stop-after-steps", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return args, output / "checkpoint.pt"
+
+
+@pytest.mark.slow
+def test_resume_continues_at_the_checkpoint(stopped):
+    """Settings that do not change the schedule may differ (micro-batches, stops, printing)."""
+    args, _ = stopped
+    setup = train.Setup(parse([*args, "--resume", "--max-local-batch", "32",
+                               "--stop-after-steps", "2", "--print-every", "1"]))
+    assert (setup.span.start_epoch, setup.span.start_step) == (0, 3)
+    assert setup.resumed["settings"] == setup.settings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes, world_size, difference", [
+    ([], 2, "world size 1; this run has world size 2"),
+    (["--batch-per-rank", "64"], 1, "--batch-per-rank 32; this run has --batch-per-rank 64"),
+    (["--epochs", "1"], 1, "--epochs 2; this run has --epochs 1"),
+    (["--recipe", "mikami2018"], 1, "--recipe goyal2017; this run has --recipe mikami2018"),
+    (["--model", "resnet18"], 1, "--model resnet_small; this run has --model resnet18"),
+    (["--dataset", "fashion-mnist"], 1, "--dataset synthetic, training images 256; this run "
+                                        "has --dataset fashion-mnist, training images 60000"),
+    (["--synthetic-size", "512"], 1, "training images 256; this run has training images 512"),
+    (["--base-lr", "0.5"], 1, "--base-lr 1.0; this run has --base-lr 0.5"),
+    (["--bn-group-size", "16"], 1, "--bn-group-size 32; this run has --bn-group-size 16"),
+    (["--seed", "1"], 1, "--seed 0; this run has --seed 1"),
+])
+def test_resume_refuses_other_settings(stopped, changes, world_size, difference, monkeypatch):
+    """A 1-rank checkpoint at step 3 of batch 32 resumed on 2 ranks would retrain samples at
+    another LR; a larger batch, fewer epochs or another recipe would not fit its schedule."""
+    args, path = stopped
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(ValueError) as error:
+        train.Setup(parse([*args, "--resume", *changes]))
+    assert str(error.value) == (f"--resume: {path} was written with {difference}. Resume with "
+                                "the checkpoint's settings, or give another --output to start "
+                                "a new run")
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_position_outside_the_run(stopped, tmp_path):
+    args, path = stopped
+    state = torch.load(path, weights_only=True)
+    state["epoch"] = 5
+    (tmp_path / "run").mkdir()
+    torch.save(state, tmp_path / "run" / "checkpoint.pt")
+    message = re.escape(f"{tmp_path / 'run' / 'checkpoint.pt'} stopped at epoch 5 step 3, "
+                        "outside this run's 2 epochs")
+    with pytest.raises(ValueError, match=message):
+        train.Setup(parse([*args, "--resume", "--output", str(tmp_path / "run")]))

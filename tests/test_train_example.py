@@ -1,6 +1,7 @@
 """examples/train_resnet50.py under torchrun on small synthetic data: the loss falls, a resumed
 run (stopped at an epoch's end or mid-epoch) ends where a straight one does, a restarted worker
-resumes by itself, micro-batches change nothing, and bad arguments fail with one message."""
+resumes by itself, a finished run resumed says so, micro-batches change nothing, and bad
+arguments fail with one message."""
 
 import csv
 import os
@@ -134,3 +135,19 @@ def test_a_restarted_worker_resumes_by_itself(tmp_path):
     assert "resumed at epoch 2 step 0" in again.stdout and "finished after epoch 2" in again.stdout
     fresh = run_single(args)  # not a restart, no --resume: starts over
     assert "resumed" not in fresh.stdout
+
+
+
+def test_resuming_a_finished_run(tmp_path):
+    """A finished run resumed says so and ends cleanly; resumed on other ranks, it is refused
+    by rank 0 alone, before any process group (rank 0 alone would wait for rank 1 in one)."""
+    args = [*TINY, "--epochs", "1", "--output", str(tmp_path / "run")]
+    assert run_single(args).returncode == 0
+    again = run_single([*args, "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds a finished run: nothing to resume" in again.stdout
+    first = run_single([*args, "--resume"], rank=0, world_size=2)
+    other = run_single([*args, "--resume"], rank=1, world_size=2)
+    assert first.returncode == other.returncode == 2
+    assert "was written with world size 1; this run has world size 2" in first.stderr
+    assert other.stderr == ""

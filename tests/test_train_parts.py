@@ -20,6 +20,7 @@ def test_a_run_starts_where_its_checkpoint_stopped():
     assert (mid_epoch.first_step(1), mid_epoch.first_step(2)) == (3, 0)
     epoch_end = train.RunSpan([4, 4, 4], epoch=0, step=4)  # the next epoch's start
     assert list(epoch_end.epochs()) == [1, 2] and epoch_end.first_step(1) == 0
+    assert not epoch_end.finished and train.RunSpan([4, 4, 4], epoch=2, step=4).finished
 
 
 def test_a_run_stops_after_its_steps_or_epochs():
