@@ -14,7 +14,8 @@ control, and DDP over the "torus" backend (2D-torus allreduce) by default.
 Checkpoints (model, optimizer, scheduler, position, metrics) are written atomically by rank 0
 every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
 as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
-go to OUTPUT/metrics.csv and OUTPUT/metrics.png.
+go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments, data or checkpoints are refused
+with one message before any process group exists.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import csv
 import dataclasses
 import datetime
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -31,58 +33,244 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset, default_collate
 
 import torch_bigbatch as bb
 from torch_bigbatch.schedules import DistributedBatchSampler
 
 CHECKPOINT = "checkpoint.pt"
+# What a checkpoint holds that resuming reads, and its type.
+CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
+                     "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
 METRICS = ("epoch", "train_loss", "test_loss", "test_accuracy", "lr", "global_batch",
            "images_per_second", "seconds")
 
 
+def rank():
+    return int(os.environ.get("RANK", 0))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors rank 0 alone prints: every rank refuses the same
+    arguments (exit code 2), and one message is enough."""
+
+    def error(self, message):
+        if rank() == 0:
+            super().error(message)
+        sys.exit(2)
+
+
+def checked(kind, valid, requirement):
+    """An argparse type: the text as a `kind`, refused with `requirement` unless valid(value)."""
+    def convert(text):
+        value = kind(text)  # a ValueError here gives argparse's "invalid int value: 'x'"
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
+POSITIVE = checked(int, lambda n: n > 0, "must be a positive integer")
+NON_NEGATIVE = checked(int, lambda n: n >= 0, "must be 0 or a positive integer")
+
+
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", choices=bb.recipes.RECIPES, default="goyal2017")
     parser.add_argument("--dataset", choices=("imagenet", "fashion-mnist", "synthetic"),
                         default=None, help="default: imagenet with --data, else fashion-mnist")
     parser.add_argument("--data", metavar="PATH", help="ImageNet root with train/ and val/")
     parser.add_argument("--fashion-mnist-root", default=bb.data.fashion_mnist.DEFAULT_ROOT)
-    parser.add_argument("--synthetic-size", type=int, default=2048,
+    parser.add_argument("--synthetic-size", type=POSITIVE, default=2048,
                         help="training images of --dataset synthetic (a quarter more to test)")
     parser.add_argument("--model", choices=("resnet50", "resnet18", "resnet_small"),
                         help="default: resnet50 on ImageNet, resnet_small otherwise")
-    parser.add_argument("--epochs", type=int,
+    parser.add_argument("--epochs", type=POSITIVE,
                         help="train this many epochs, the recipe's schedule shrunk to fit")
-    parser.add_argument("--batch-per-rank", type=int, help="samples per rank per step")
-    parser.add_argument("--base-lr", type=float,
+    parser.add_argument("--batch-per-rank", type=POSITIVE, help="samples per rank per step")
+    parser.add_argument("--base-lr", type=checked(float, lambda x: math.isfinite(x) and x >= 0,
+                                                  "must be a finite number >= 0"),
                         help="LR per the recipe's base batch (256 samples in goyal2017)")
-    parser.add_argument("--bn-group-size", type=int,
+    parser.add_argument("--bn-group-size",
+                        type=checked(int, lambda n: n == 0 or n >= 2, "must be 0 (nn.BatchNorm2d) "
+                                     "or at least 2 (one sample has no variance)"),
                         help="samples per BatchNorm group (0: nn.BatchNorm2d; default: the "
                         "recipe's)")
-    parser.add_argument("--max-local-batch", type=int, default=0,
+    parser.add_argument("--max-local-batch", default=0,
+                        type=checked(int, lambda n: n == 0 or n >= 2, "must be 0 (no micro-"
+                                     "batches) or at least 2 (BatchNorm needs 2 samples)"),
                         help="accumulate gradients over micro-batches of at most this size")
-    parser.add_argument("--backend", default="torus", help="torus (default), gloo or nccl")
+    parser.add_argument("--backend", choices=("torus", "gloo", "nccl"), default="torus")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even with CUDA")
     parser.add_argument("--output", default="runs/train_resnet50", help="checkpoints, metrics")
-    parser.add_argument("--checkpoint-every", type=int, default=500,
+    parser.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=500,
                         help="also checkpoint every N steps (0: only at epoch ends)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT's checkpoint")
-    parser.add_argument("--stop-after-epochs", type=int, default=0,
+    parser.add_argument("--stop-after-epochs", type=NON_NEGATIVE, default=0,
                         help="end this run after N epochs (checkpointed), to resume later")
-    parser.add_argument("--stop-after-steps", type=int, default=0,
+    parser.add_argument("--stop-after-steps", type=NON_NEGATIVE, default=0,
                         help="end this run after N steps (checkpointed), even mid-epoch")
-    parser.add_argument("--workers", type=int, default=8, help="data-loading processes (ImageNet)")
-    parser.add_argument("--print-every", type=int, default=20, help="steps between progress lines")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=300, help="collective timeout, seconds")
+    parser.add_argument("--workers", type=NON_NEGATIVE, default=8,
+                        help="data-loading processes (ImageNet; in-memory data needs none)")
+    parser.add_argument("--print-every", type=POSITIVE, default=20,
+                        help="steps between progress lines")
+    # torch's generators take seeds below 2**64; the sampler adds the epoch.
+    parser.add_argument("--seed", default=0, type=checked(int, lambda n: 0 <= n < 2**63,
+                                                          "must be an integer in [0, 2**63)"))
+    parser.add_argument("--timeout", default=300,
+                        type=checked(float, lambda x: math.isfinite(x) and x > 0,
+                                     "must be a positive number of seconds"),
+                        help="collective timeout, seconds")
     return parser
 
 
+class RunSpan:
+    """Where this run starts and where it stops: the one place of the resume and stop logic.
+
+    A run starts at its checkpoint's position (an epoch and the steps of it done; an epoch's
+    end is the next epoch's start) or at the beginning, and ends after the recipe's last epoch,
+    or early, after --stop-after-epochs epochs or --stop-after-steps steps of this run (0: no
+    limit). A stop on an epoch's last step still evaluates and checkpoints that epoch; a stop
+    mid-epoch checkpoints the steps done.
+    """
+
+    def __init__(self, iterations, epoch=0, step=0, stop_after_epochs=0, stop_after_steps=0):
+        if step == iterations[epoch]:
+            epoch, step = epoch + 1, 0
+        self.iterations, self.start_epoch, self.start_step = iterations, epoch, step
+        self.stop_after_epochs, self.stop_after_steps = stop_after_epochs, stop_after_steps
+        self.epochs_run = self.steps_run = 0
+
+    @property
+    def finished(self):
+        """The checkpoint's run has trained every epoch: nothing is left."""
+        return self.start_epoch == len(self.iterations)
+
+    def epochs(self):
+        return range(self.start_epoch, len(self.iterations))
+
+    def first_step(self, epoch):
+        """The steps of `epoch` done before this run started (skipped without loading them)."""
+        return self.start_step if epoch == self.start_epoch else 0
+
+    def stop_after_step(self):
+        """Counts a step of this run; True when the run stops after it."""
+        self.steps_run += 1
+        return self.steps_run == self.stop_after_steps
+
+    def stop_after_epoch(self):
+        """Counts an epoch of this run; True when the run stops after it (also when the step
+        limit fell on its last step)."""
+        self.epochs_run += 1
+        return (self.epochs_run == self.stop_after_epochs
+                or 0 < self.stop_after_steps == self.steps_run)
+
+
+class TensorBatches(TensorDataset):
+    """A TensorDataset read a batch at a time: a DataLoader with a batch_sampler hands
+    __getitems__ all the batch's indices, and one indexing per tensor replaces the stacking of
+    single samples (a third of the time for Fashion-MNIST's batches of 64)."""
+
+    def __getitems__(self, indices):
+        index = torch.tensor(indices)
+        return tuple(tensor[index] for tensor in self.tensors)
+
+
+def collate(batch):
+    """A batch read whole (a tuple of tensors) passes as it is; a list of samples is stacked."""
+    return batch if isinstance(batch, tuple) else default_collate(batch)
+
+
+def data_loader(dataset, batch_sampler, setup, args):
+    """The one loader of every dataset; tensors in memory need no worker processes."""
+    workers = 0 if isinstance(dataset, TensorDataset) else args.workers
+    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
+                      num_workers=workers, pin_memory=setup.device.type == "cuda")
+
+
+def load_data(dataset, args):
+    """(train, test, classes, channels): Datasets of (image, label)."""
+    if dataset == "fashion-mnist":
+        return (TensorBatches(*bb.data.load_fashion_mnist("train", args.fashion_mnist_root)),
+                TensorBatches(*bb.data.load_fashion_mnist("test", args.fashion_mnist_root)),
+                bb.data.fashion_mnist.CLASSES, 1)
+    if dataset == "synthetic":
+        images, labels = bb.data.synthetic_images(args.synthetic_size * 5 // 4, seed=args.seed)
+        split = args.synthetic_size
+        return (TensorBatches(images[:split], labels[:split]),
+                TensorBatches(images[split:], labels[split:]), 10, 1)
+    from torchvision import datasets, transforms
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
+        transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(), normalize]))
+    test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
+        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(), normalize]))
+    return train, test, len(train.classes), 3
+
+
+def check_data(dataset, args):
+    if dataset == "imagenet":
+        if not args.data:
+            raise ValueError("--dataset imagenet needs --data PATH (train/ and val/ inside)")
+        for split in ("train", "val"):
+            if not os.path.isdir(os.path.join(args.data, split)):
+                raise ValueError(f"--data {args.data}: no {split}/ directory in it")
+        if importlib.util.find_spec("torchvision") is None:
+            raise ValueError("ImageNet needs torchvision: pip install torchvision")
+    elif dataset == "fashion-mnist":
+        missing = bb.data.missing_files(args.fashion_mnist_root)
+        if missing:
+            raise ValueError(f"Fashion-MNIST not found ({missing[0]}): install the Debian "
+                             "package dataset-fashion-mnist, or pass --fashion-mnist-root")
+
+
+def check_output(output):
+    """Rank 0 can create the directory `output` (or it is one) and write in it."""
+    existing = os.path.abspath(output)
+    while not os.path.exists(existing):  # the nearest part of the path that exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output {output}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output}: {existing} is not writable")
+
+
+def read_checkpoint(path, settings, iterations):
+    """The checkpoint at `path` if this run can continue it, else a ValueError that names the
+    file, the difference and what to do."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # random bytes, an empty file, a pickle of other objects...
+        raise ValueError(f"--resume: {path} is not a readable checkpoint ({type(error).__name__})"
+                         ": delete it, or give another --output") from error
+    wrong = [key for key, kind in CHECKPOINT_FIELDS.items()
+             if not isinstance(state, dict) or not isinstance(state.get(key), kind)]
+    if wrong:
+        raise ValueError(f"--resume: {path} is not a checkpoint of this job (no valid "
+                         f"{', '.join(wrong)}): delete it, or give another --output")
+    changed = [key for key in settings if state["settings"].get(key) != settings[key]]
+    if changed:
+        theirs = ", ".join(f"{key} {state['settings'].get(key)}" for key in changed)
+        ours = ", ".join(f"{key} {settings[key]}" for key in changed)
+        raise ValueError(f"--resume: {path} was written with {theirs}; this run has {ours}. "
+                         "Resume with the checkpoint's settings, or give another --output to "
+                         "start a new run")
+    epoch, step = state["epoch"], state["step"]
+    if not (0 <= epoch < len(iterations) and 0 <= step <= iterations[epoch]):
+        raise ValueError(f"--resume: {path} stopped at epoch {epoch} step {step}, outside this "
+                         f"run's {len(iterations)} epochs: delete it, or give another --output")
+    return state
+
+
 class Setup:
-    """Everything decided before any process group exists (so a bad argument fails once)."""
+    """Everything decided and checked before any process group exists: the recipe, the data,
+    and where the run starts and stops. A bad argument, data set or checkpoint is a ValueError
+    here, which every rank raises alike and rank 0 alone prints."""
 
     def __init__(self, args):
-        self.rank = int(os.environ.get("RANK", 0))
+        self.rank = rank()
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -95,81 +283,71 @@ class Setup:
             recipe = recipe.shortened(args.epochs)
         changes = {"batch_per_rank": args.batch_per_rank, "base_lr": args.base_lr,
                    "bn_group_size": args.bn_group_size}
-        recipe = recipe.replace(**{key: value for key, value in changes.items()
-                                   if value is not None})
-        self.recipe = recipe
-        self.schedule = recipe.batch_size_schedule(self.world_size)  # checks divisibility
+        self.recipe = recipe.replace(**{key: value for key, value in changes.items()
+                                        if value is not None})
+        self.schedule = self.recipe.batch_size_schedule(self.world_size)  # checks divisibility
         self.model_name = args.model or ("resnet50" if self.dataset == "imagenet"
                                          else "resnet_small")
+        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available()
+                                   and not args.cpu else "cpu")
+        if args.backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("--backend nccl needs CUDA devices: use torus or gloo on the CPU")
+        self.check_batches(args)
+        check_output(args.output)
+        check_data(self.dataset, args)
+        try:
+            self.train, self.test, self.classes, self.channels = load_data(self.dataset, args)
+        except OSError as error:  # an empty ImageFolder, a damaged file
+            raise ValueError(f"cannot read the {self.dataset} data: {error}") from error
+        self.check_sizes()
+        self.iterations = [self.schedule.batches(epoch, len(self.train))
+                           for epoch in range(self.recipe.epochs)]
         self.checkpoint = os.path.join(args.output, CHECKPOINT)
+        self.settings = {  # what a resumed run must share with the one it continues
+            "world size": self.world_size, "--recipe": self.recipe.name,
+            "--epochs": self.recipe.epochs, "--batch-per-rank": self.recipe.batch_per_rank,
+            "--base-lr": self.recipe.base_lr, "--bn-group-size": self.recipe.bn_group_size,
+            "--model": self.model_name, "--dataset": self.dataset,
+            "training images": len(self.train), "--seed": args.seed}
+        self.resumed = self.read_resumed(args)  # the checkpoint's contents, when resuming
+        start = (self.resumed["epoch"], self.resumed["step"]) if self.resumed else (0, 0)
+        self.span = RunSpan(self.iterations, *start, args.stop_after_epochs,
+                            args.stop_after_steps)
+
+    def read_resumed(self, args):
+        """The checkpoint this run continues (with --resume, or restarted by torchrun), checked
+        against this run's settings; None for a new run."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         if args.resume and not os.path.exists(self.checkpoint):
             raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
-        self.resume = (args.resume or restarted) and os.path.exists(self.checkpoint)
-        self.check_data(args)
-        group = recipe.bn_group_size
+        if (args.resume or restarted) and os.path.exists(self.checkpoint):
+            return read_checkpoint(self.checkpoint, self.settings, self.iterations)
+        return None
+
+    def check_batches(self, args):
+        """Every rank's batch, and each micro-batch of it, holds 2 samples or more: BatchNorm
+        normalizes none of fewer."""
+        group = self.recipe.bn_group_size
         if args.max_local_batch and group and args.max_local_batch % group:
             raise ValueError(f"--max-local-batch {args.max_local_batch} must be a multiple of "
                              f"the BatchNorm group size {group}")
-        for size in self.schedule.sizes:  # BatchNorm trains on 2 samples or more
-            if args.max_local_batch and size // self.world_size % args.max_local_batch == 1:
+        for size in self.schedule.sizes:
+            local = size // self.world_size
+            if local < 2:  # 1: the global batch is a multiple of the world size
+                raise ValueError(f"a global batch of {size} on {self.world_size} ranks leaves "
+                                 "one sample per rank, and BatchNorm needs 2 or more: raise "
+                                 "--batch-per-rank or use fewer ranks")
+            if args.max_local_batch and local % args.max_local_batch == 1:
                 raise ValueError(f"--max-local-batch {args.max_local_batch} leaves a last "
-                                 f"micro-batch of one sample of the {size // self.world_size} "
-                                 "per rank")
-        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available()
-                                   and not args.cpu else "cpu")
+                                 f"micro-batch of one sample of the {local} per rank")
 
-    def check_data(self, args):
-        if self.dataset == "imagenet":
-            if not args.data:
-                raise ValueError("--dataset imagenet needs --data PATH (train/ and val/ inside)")
-            for split in ("train", "val"):
-                if not os.path.isdir(os.path.join(args.data, split)):
-                    raise ValueError(f"--data {args.data}: no {split}/ directory in it")
-            if importlib.util.find_spec("torchvision") is None:
-                raise ValueError("ImageNet needs torchvision: pip install torchvision")
-        elif self.dataset == "fashion-mnist":
-            missing = bb.data.missing_files(args.fashion_mnist_root)
-            if missing:
-                raise ValueError(f"Fashion-MNIST not found ({missing[0]}): install the Debian "
-                                 "package dataset-fashion-mnist, or pass --fashion-mnist-root")
-
-
-def load_data(setup, args):
-    """(train, test, classes, channels): train and test are (images, labels) tensors, or
-    ImageFolder datasets for ImageNet."""
-    if setup.dataset == "fashion-mnist":
-        return (bb.data.load_fashion_mnist("train", args.fashion_mnist_root),
-                bb.data.load_fashion_mnist("test", args.fashion_mnist_root),
-                bb.data.fashion_mnist.CLASSES, 1)
-    if setup.dataset == "synthetic":
-        images, labels = bb.data.synthetic_images(args.synthetic_size * 5 // 4, seed=args.seed)
-        split = args.synthetic_size
-        return (images[:split], labels[:split]), (images[split:], labels[split:]), 10, 1
-    from torchvision import datasets, transforms
-    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    train = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
-        transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), normalize]))
-    test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
-        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(), normalize]))
-    return train, test, len(train.classes), 3
-
-
-def batches(data, sampler, workers):
-    """(images, labels) of each of this rank's batches of the sampler's epoch."""
-    if isinstance(data, tuple):
-        images, labels = data
-        for indices in sampler:
-            index = torch.tensor(indices)
-            yield images[index], labels[index]
-    else:
-        yield from torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=workers,
-                                               pin_memory=torch.cuda.is_available())
-
-
-def dataset_size(data):
-    return len(data[1]) if isinstance(data, tuple) else len(data)
+    def check_sizes(self):
+        largest = max(self.schedule.sizes)
+        if len(self.train) < largest:
+            raise ValueError(f"{len(self.train)} training images make no global batch of "
+                             f"{largest}: use more data (--synthetic-size) or smaller batches")
+        if len(self.test) == 0:
+            raise ValueError("the test set is empty: use more data (--synthetic-size)")
 
 
 def micro_batches(images, labels, size):
@@ -179,19 +357,23 @@ def micro_batches(images, labels, size):
     return list(zip(images.split(size), labels.split(size)))
 
 
-def train_step(model, criterion, optimizer, images, labels, setup, args, autocast):
+def autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train_step(model, criterion, optimizer, images, labels, device, max_local_batch):
     """One optimizer step over this rank's batch (accumulated over micro-batches, with DDP's
     allreduce only after the last); returns the batch's mean loss as a tensor on the device
     (no host synchronization here)."""
-    parts = micro_batches(images, labels, args.max_local_batch)
-    memory_format = torch.channels_last if setup.device.type == "cuda" else torch.preserve_format
-    total = torch.zeros((), device=setup.device)
+    parts = micro_batches(images, labels, max_local_batch)
+    memory_format = torch.channels_last if device.type == "cuda" else torch.preserve_format
+    total = torch.zeros((), device=device)
     for index, (x, y) in enumerate(parts):
-        x = x.to(setup.device, memory_format=memory_format, non_blocking=True)
-        y = y.to(setup.device, non_blocking=True)
+        x = x.to(device, memory_format=memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
         last = index == len(parts) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            with autocast():
+            with autocast(device):
                 loss = criterion(model(x), y) * (len(y) / len(labels))
             loss.backward()
         total += loss.detach().float()
@@ -200,27 +382,59 @@ def train_step(model, criterion, optimizer, images, labels, setup, args, autocas
     return total
 
 
+def train_one_epoch(model, criterion, optimizer, scheduler, loader, epoch, epoch_loss, setup,
+                    args, save):
+    """Trains the steps of `epoch` left to this run, adding each step's loss to epoch_loss (this
+    rank's sum, on the device); save(epoch, steps done, epoch_loss) checkpoints mid-epoch.
+    Returns (the last step's LR, whether the run stopped before the epoch's end)."""
+    schedule, steps, span = setup.schedule, setup.iterations[epoch], setup.span
+    first = span.first_step(epoch)
+    loader.batch_sampler.set_epoch(epoch, first_batch=first)
+    start = time.time()
+    for step, (images, labels) in enumerate(loader, first):
+        loss = train_step(model, criterion, optimizer, images, labels, setup.device,
+                          args.max_local_batch)
+        epoch_loss += loss
+        lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
+        scheduler.step()
+        last = step + 1 == steps
+        if setup.rank == 0 and ((step + 1) % args.print_every == 0 or last):
+            rate = (step + 1 - first) * schedule(epoch) / (time.time() - start)
+            left = images_left(setup.iterations, schedule, epoch, step + 1)
+            print(f"epoch {epoch + 1}/{len(setup.iterations)} step {step + 1}/{steps} "
+                  f"loss {loss.item():.4f} lr {lr:.4g} batch {schedule(epoch)} "
+                  f"{rate:.0f} img/s ETA {format_seconds(left / rate)}", flush=True)
+        stopping = span.stop_after_step()
+        # At the epoch's last step, the epoch-end checkpoint (after evaluation) does it all.
+        if not last and (stopping or args.checkpoint_every
+                         and (step + 1) % args.checkpoint_every == 0):
+            save(epoch, step + 1, epoch_loss)
+        if stopping and not last:
+            return lr, True
+    return lr, False
+
+
 @torch.no_grad()
-def evaluate(model, test, setup, args, autocast):
-    """(mean cross-entropy, accuracy) on the whole test set, split across the ranks."""
+def evaluate(model, loader, device):
+    """(mean cross-entropy, accuracy) on the whole test set: each rank's share, summed."""
     model.eval()
-    shard = torch.arange(dataset_size(test)).tensor_split(setup.world_size)[setup.rank]
-    if isinstance(test, tuple):
-        loader = ((test[0][index], test[1][index]) for index in shard.split(500))
-    else:
-        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(test, shard.tolist()),
-                                             batch_size=100, num_workers=args.workers)
-    sums = torch.zeros(3, dtype=torch.float64, device=setup.device)  # loss, correct, count
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     criterion = nn.CrossEntropyLoss(reduction="sum")
     for x, y in loader:
-        x, y = x.to(setup.device), y.to(setup.device)
-        with autocast():
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device):
             logits = model(x).float()
         sums += torch.stack([criterion(logits, y), (logits.argmax(1) == y).sum(),
-                             torch.tensor(len(y), device=setup.device)]).double()
+                             torch.tensor(len(y), device=device)]).double()
     dist.all_reduce(sums)
     model.train()
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def images_left(iterations, schedule, epoch, steps_done):
+    """Training images from step `steps_done` of `epoch` to the recipe's end (for the ETA)."""
+    later = sum(iterations[e] * schedule(e) for e in range(epoch + 1, len(iterations)))
+    return later + (iterations[epoch] - steps_done) * schedule(epoch)
 
 
 def save_checkpoint(path, state):
@@ -263,19 +477,20 @@ def format_seconds(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
 
 
-def main():
-    parser = get_args_parser()
-    args = parser.parse_args()
+def main(args):
     try:
         setup = Setup(args)
     except ValueError as error:  # one message, from rank 0, before any process group
-        if int(os.environ.get("RANK", 0)) == 0:
-            parser.error(str(error))
-        sys.exit(2)
-    recipe, schedule = setup.recipe, setup.schedule
+        get_args_parser().error(str(error))
+    recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
+    if span.finished:
+        if setup.rank == 0:
+            print(f"{setup.checkpoint} holds a finished run: nothing to resume (metrics in "
+                  f"{args.output})", flush=True)
+        return
 
-    if setup.device.type == "cuda":
-        torch.cuda.set_device(setup.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:  # share the cores among this node's ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.local_world_size))
     if "MASTER_ADDR" not in os.environ:  # a plain `python train_resnet50.py`: one process
@@ -284,49 +499,46 @@ def main():
                             timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
 
-    train, test, classes, channels = load_data(setup, args)
     build = getattr(bb.models, setup.model_name)
-    model = build(num_classes=classes, in_channels=channels, bn_group_size=recipe.bn_group_size,
-                  zero_init_residual=recipe.zero_init_residual).to(setup.device)
-    if setup.device.type == "cuda":
+    model = build(num_classes=setup.classes, in_channels=setup.channels,
+                  bn_group_size=recipe.bn_group_size,
+                  zero_init_residual=recipe.zero_init_residual).to(device)
+    if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     optimizer = recipe.build_optimizer(model, setup.world_size)
-    size = dataset_size(train)
-    iterations = [schedule.batches(epoch, size) for epoch in range(recipe.epochs)]
-    if min(iterations) == 0:
-        raise SystemExit(f"{size} training samples make no global batch of {max(schedule.sizes)}")
-    scheduler = recipe.build_scheduler(optimizer, iterations, setup.world_size)
-    sampler = DistributedBatchSampler(size, schedule, setup.rank, setup.world_size,
-                                      seed=args.seed)
+    scheduler = recipe.build_scheduler(optimizer, setup.iterations, setup.world_size)
     criterion = recipe.criterion()
 
     # This rank's sum of step losses in the epoch (their count is world_size x steps); a run
     # resumed mid-epoch puts the checkpoint's total (all ranks') on rank 0, so the epoch's
-    # all_reduce still sums them all.
+    # all_reduce still sums them all (an epoch-end checkpoint holds 0).
     def zero_loss():
-        return torch.zeros((), dtype=torch.float64, device=setup.device)
+        return torch.zeros((), dtype=torch.float64, device=device)
 
-    start_epoch, start_step, rows, resumed_loss = 0, 0, [], zero_loss()
-    if setup.resume:
-        state = torch.load(setup.checkpoint, map_location=setup.device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_epoch, start_step, rows = state["epoch"], state["step"], state["metrics"]
+    rows, resumed_loss = [], zero_loss()
+    if setup.resumed:
+        model.load_state_dict(setup.resumed["model"])
+        optimizer.load_state_dict(setup.resumed["optimizer"])
+        scheduler.load_state_dict(setup.resumed["scheduler"])
+        rows = setup.resumed["metrics"]
         if setup.rank == 0:
-            resumed_loss = state["epoch_loss"]
-        if start_step == iterations[start_epoch]:  # an epoch-end checkpoint: its row is in
-            start_epoch, start_step, resumed_loss = start_epoch + 1, 0, zero_loss()
+            resumed_loss = setup.resumed["epoch_loss"].to(device)
     # DDP broadcasts rank 0's BatchNorm buffers (running statistics) before every forward, as
     # torch's reference recipe does; each rank's forward then moves its own copy, so the epoch
     # ends with rank 0's broadcast once more before evaluation (see below).
-    ddp = DistributedDataParallel(model, device_ids=[setup.device.index]
-                                  if setup.device.type == "cuda" else None)
+    ddp = DistributedDataParallel(model, device_ids=[device.index]
+                                  if device.type == "cuda" else None)
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.device.type == "cuda")
+    sampler = DistributedBatchSampler(len(setup.train), schedule, setup.rank, setup.world_size,
+                                      seed=args.seed)
+    train_loader = data_loader(setup.train, sampler, setup, args)
+    shard = torch.arange(len(setup.test)).tensor_split(setup.world_size)[setup.rank]
+    # The evaluation's batch: what training feeds the model at once fits in memory.
+    test_batch = args.max_local_batch or schedule(0) // setup.world_size
+    test_loader = data_loader(setup.test, BatchSampler(shard.tolist(), test_batch, False),
+                              setup, args)
 
-    def checkpoint(epoch, step, epoch_loss):
+    def save(epoch, step, epoch_loss):
         """Every rank calls it at the same steps: it sums the epoch's losses over the ranks."""
         total = epoch_loss.clone()
         dist.all_reduce(total)
@@ -334,73 +546,48 @@ def main():
             save_checkpoint(setup.checkpoint, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-                "epoch_loss": total, "metrics": rows, "args": vars(args),
-                "recipe": dataclasses.asdict(recipe)})
+                "epoch_loss": total, "metrics": rows, "settings": setup.settings,
+                "args": vars(args), "recipe": dataclasses.asdict(recipe)})
 
     if setup.rank == 0:
-        print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({size} images), "
-              f"{setup.world_size} x {setup.device.type}, backend {dist.get_backend()}, "
+        resumed = f", resumed at epoch {span.start_epoch + 1} step {span.start_step}" \
+            if setup.resumed else ""
+        print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({len(setup.train)} "
+              f"images), {setup.world_size} x {device.type}, backend {dist.get_backend()}, "
               f"global batch {schedule(0)} (LR {recipe.peak_lr(setup.world_size):.4g}), "
-              f"{recipe.epochs} epochs" + (f", resumed at epoch {start_epoch + 1} step "
-                                           f"{start_step}" if setup.resume else ""), flush=True)
-    total_images = sum(iterations[e] * schedule(e) for e in range(start_epoch, recipe.epochs))
-    total_images -= start_step * schedule(start_epoch) if start_epoch < recipe.epochs else 0
-    done_images, run_start, epochs_run, steps_run = 0, time.time(), 0, 0
-    stop_mid_epoch = stop_at_epoch_end = False
-    for epoch in range(start_epoch, recipe.epochs):
-        resuming = epoch == start_epoch
-        first = start_step if resuming else 0  # batches done before the checkpoint resumed from
-        sampler.set_epoch(epoch, first_batch=first)
+              f"{recipe.epochs} epochs{resumed}", flush=True)
+    stopped_mid_epoch = False
+    for epoch in span.epochs():
         epoch_start = time.time()
-        epoch_loss = resumed_loss.clone() if resuming else zero_loss()
-        for step, (images, labels) in enumerate(batches(train, sampler, args.workers), first):
-            loss = train_step(ddp, criterion, optimizer, images, labels, setup, args, autocast)
-            epoch_loss += loss
-            lr = optimizer.param_groups[0]["lr"]  # the LR of this step, before the next one's
-            scheduler.step()
-            done_images += schedule(epoch)
-            last = step + 1 == iterations[epoch]
-            if setup.rank == 0 and ((step + 1) % args.print_every == 0 or last):
-                rate = done_images / (time.time() - run_start)
-                print(f"epoch {epoch + 1}/{recipe.epochs} step {step + 1}/{iterations[epoch]} "
-                      f"loss {loss.item():.4f} lr {lr:.4g} batch {schedule(epoch)} "
-                      f"{rate:.0f} img/s ETA {format_seconds((total_images - done_images) / rate)}",
-                      flush=True)
-            steps_run += 1
-            stopping = steps_run == args.stop_after_steps
-            # At the epoch's last step, the epoch-end checkpoint (after evaluation) does it all.
-            if not last and (stopping or args.checkpoint_every
-                             and (step + 1) % args.checkpoint_every == 0):
-                checkpoint(epoch, step + 1, epoch_loss)
-            stop_mid_epoch = stopping and not last
-            stop_at_epoch_end = stopping and last
-            if stop_mid_epoch:
-                break
-        if stop_mid_epoch:
+        epoch_loss = resumed_loss.clone() if epoch == span.start_epoch else zero_loss()
+        lr, stopped_mid_epoch = train_one_epoch(ddp, criterion, optimizer, scheduler,
+                                                train_loader, epoch, epoch_loss, setup, args, save)
+        if stopped_mid_epoch:
             break
         train_seconds = time.time() - epoch_start
         train_loss = epoch_loss.clone()
         dist.all_reduce(train_loss)
         for buffer in model.buffers():  # every rank evaluates rank 0's (checkpointed) statistics
             dist.broadcast(buffer, src=0)
-        test_loss, accuracy = evaluate(model, test, setup, args, autocast)
+        test_loss, accuracy = evaluate(model, test_loader, device)
+        steps = setup.iterations[epoch]
         rows.append({"epoch": epoch + 1,
-                     "train_loss": (train_loss / (setup.world_size * iterations[epoch])).item(),
+                     "train_loss": (train_loss / (setup.world_size * steps)).item(),
                      "test_loss": test_loss, "test_accuracy": accuracy,
                      "lr": lr, "global_batch": schedule(epoch),
-                     "images_per_second": (iterations[epoch] - first) * schedule(epoch)
+                     "images_per_second": (steps - span.first_step(epoch)) * schedule(epoch)
                      / train_seconds, "seconds": time.time() - epoch_start})
-        checkpoint(epoch, iterations[epoch], zero_loss())
+        save(epoch, steps, zero_loss())
         if setup.rank == 0:
             write_metrics(args.output, rows)
             print(f"epoch {epoch + 1}: train loss {rows[-1]['train_loss']:.4f}, test loss "
                   f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
-        epochs_run += 1
-        if stop_at_epoch_end or epochs_run == args.stop_after_epochs:
+        if span.stop_after_epoch():
             break
-    if setup.rank == 0 and stop_mid_epoch:
-        print(f"stopped after {steps_run} steps, checkpoint in {setup.checkpoint}", flush=True)
+    if setup.rank == 0 and stopped_mid_epoch:
+        print(f"stopped after {span.steps_run} steps, checkpoint in {setup.checkpoint}",
+              flush=True)
     elif setup.rank == 0 and rows:
         finished = "finished" if rows[-1]["epoch"] == recipe.epochs else "stopped"
         print(f"{finished} after epoch {rows[-1]['epoch']}: test accuracy "
@@ -409,4 +596,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(get_args_parser().parse_args())

@@ -1,29 +1,16 @@
 """examples/train_resnet50.py under torchrun on small synthetic data: the loss falls, a resumed
 run (stopped at an epoch's end or mid-epoch) ends where a straight one does, a restarted worker
-resumes by itself, micro-batches change nothing, and bad arguments fail with one message."""
+resumes by itself, a finished run resumed says so, micro-batches change nothing, and bad
+arguments fail with one message."""
 
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from multiprocess import free_port
+from train_job import SCRIPT, TINY, run_single, torchrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
-TINY = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-per-rank", "32",
-        "--base-lr", "1.0", "--print-every", "1000"]
-
-
-def torchrun(args, processes=2, timeout=180):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
 
 
 def metrics(output):
@@ -90,15 +77,6 @@ def test_resume_mid_epoch(tmp_path):
         assert row["train_loss"] == pytest.approx(same["train_loss"], rel=1e-12)
 
 
-def run_single(args, rank=0, world_size=1, restart_count=0):
-    """The script in one process (no torchrun), as rank `rank` of `world_size`."""
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TORCHELASTIC_RESTART_COUNT": str(restart_count)}
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=60, env=env)
-
-
 def test_bad_arguments_end_with_one_clear_message(tmp_path):
     cases = [
         (["--recipe", "nope"], "invalid choice: 'nope'"),
@@ -110,6 +88,8 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
         ([*TINY, "--recipe", "mlperf_lars"], "--batch-per-rank does not apply"),
         ([*TINY, "--bn-group-size", "0", "--max-local-batch", "31"],
          "leaves a last micro-batch of one sample"),
+        ([*TINY, "--print-every", "0"], "argument --print-every: must be a positive integer"),
+        ([*TINY, "--output", os.path.join(SCRIPT, "run")], "is a file, not a directory"),
     ]
     for args, message in cases:
         result = run_single(args)
@@ -156,3 +136,18 @@ def test_a_restarted_worker_resumes_by_itself(tmp_path):
     fresh = run_single(args)  # not a restart, no --resume: starts over
     assert "resumed" not in fresh.stdout
 
+
+
+def test_resuming_a_finished_run(tmp_path):
+    """A finished run resumed says so and ends cleanly; resumed on other ranks, it is refused
+    by rank 0 alone, before any process group (rank 0 alone would wait for rank 1 in one)."""
+    args = [*TINY, "--epochs", "1", "--output", str(tmp_path / "run")]
+    assert run_single(args).returncode == 0
+    again = run_single([*args, "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds a finished run: nothing to resume" in again.stdout
+    first = run_single([*args, "--resume"], rank=0, world_size=2)
+    other = run_single([*args, "--resume"], rank=1, world_size=2)
+    assert first.returncode == other.returncode == 2
+    assert "was written with world size 1; this run has world size 2" in first.stderr
+    assert other.stderr == ""

@@ -1,0 +1,67 @@
+"""Parts of examples/train_resnet50.py, in this process: where a run starts and stops (RunSpan),
+and the one data loader of in-memory tensors and of datasets of single samples."""
+
+from types import SimpleNamespace
+
+import torch
+from train_job import import_script
+
+from torch_bigbatch.schedules import DistributedBatchSampler
+
+train = import_script()
+CPU = SimpleNamespace(device=torch.device("cpu"))
+
+
+def test_a_run_starts_where_its_checkpoint_stopped():
+    fresh = train.RunSpan([4, 4, 4])
+    assert list(fresh.epochs()) == [0, 1, 2] and fresh.first_step(0) == 0
+    mid_epoch = train.RunSpan([4, 4, 4], epoch=1, step=3)
+    assert list(mid_epoch.epochs()) == [1, 2]
+    assert (mid_epoch.first_step(1), mid_epoch.first_step(2)) == (3, 0)
+    epoch_end = train.RunSpan([4, 4, 4], epoch=0, step=4)  # the next epoch's start
+    assert list(epoch_end.epochs()) == [1, 2] and epoch_end.first_step(1) == 0
+    assert not epoch_end.finished and train.RunSpan([4, 4, 4], epoch=2, step=4).finished
+
+
+def test_a_run_stops_after_its_steps_or_epochs():
+    steps = train.RunSpan([4, 4], stop_after_steps=6)
+    assert [steps.stop_after_step() for _ in range(4)] == [False] * 4
+    assert not steps.stop_after_epoch()
+    assert [steps.stop_after_step() for _ in range(2)] == [False, True]  # mid-epoch 2
+    on_last_step = train.RunSpan([4, 4], stop_after_steps=4)
+    assert [on_last_step.stop_after_step() for _ in range(4)] == [False] * 3 + [True]
+    assert on_last_step.stop_after_epoch()  # after that epoch's evaluation
+    epochs = train.RunSpan([4, 4, 4], stop_after_epochs=2)
+    assert [epochs.stop_after_epoch() for _ in range(2)] == [False, True]
+    endless = train.RunSpan([4, 4])
+    assert not any(endless.stop_after_step() for _ in range(8))
+    assert not any(endless.stop_after_epoch() for _ in range(2))
+
+
+def test_the_loader_gives_the_samplers_batches_of_tensors():
+    images, labels = torch.randn(40, 1, 4, 4), torch.arange(40)
+    sampler = DistributedBatchSampler(40, 8, rank=1, world_size=2, seed=5)
+    sampler.set_epoch(3, first_batch=1)
+    loader = train.data_loader(train.TensorBatches(images, labels), sampler, CPU,
+                               SimpleNamespace(workers=4))
+    assert loader.num_workers == 0  # in-memory tensors: read in this process
+    expected = [torch.tensor(indices) for indices in sampler]
+    batches = list(loader)
+    assert len(batches) == len(expected) == 4
+    for (x, y), index in zip(batches, expected, strict=True):
+        assert torch.equal(x, images[index]) and torch.equal(y, labels[index])
+
+
+def test_the_same_loader_stacks_a_dataset_of_single_samples():
+    images, labels = torch.randn(6, 3, 2, 2), torch.arange(6)
+
+    class Samples(torch.utils.data.Dataset):  # as ImageFolder: one (image, label) at a time
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, index):
+            return images[index], labels[index].item()
+
+    loader = train.data_loader(Samples(), [[4, 1, 2], [0, 5, 3]], CPU, SimpleNamespace(workers=0))
+    for (x, y), indices in zip(loader, [[4, 1, 2], [0, 5, 3]], strict=True):
+        assert torch.equal(x, images[indices]) and torch.equal(y, labels[indices])
