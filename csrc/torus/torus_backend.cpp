@@ -1,9 +1,7 @@
 #include "torus/torus_backend.h"
 
 #include "torus/local_reduce.h"
-#include "torus/stream_pipeline.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
@@ -54,6 +52,10 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   if (cpu_) {
     host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.segment_bytes,
                                            settings_.timeout);
+  }
+  if (cuda_) {
+    stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, settings_.segment_bytes,
+                                               settings_.timeout);
   }
 }
 
@@ -147,18 +149,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
     TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
     return host_->allreduce(std::move(tensors), op, op_type);
   }
-  return stream_allreduce(shape_, engines, std::move(tensors), op, op_type,
-                          settings_.segment_bytes, side_stream(first.device()));
-}
-
-c10::Stream TorusBackend::side_stream(c10::Device device) {
-  std::lock_guard<std::mutex> lock(streams_mutex_);
-  auto found = side_streams_.find(device.index());
-  if (found != side_streams_.end()) return found->second;
-  c10::Stream stream =
-      c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, false);
-  side_streams_.emplace(device.index(), stream);
-  return stream;
+  TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
+  return stream_->allreduce(std::move(tensors), op, op_type);
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce_sparse(
@@ -294,6 +286,7 @@ void TorusBackend::abort() {
 
 void TorusBackend::shutdown() {
   host_.reset();
+  stream_.reset();
   for_each_group([](c10d::Backend& group) { group.shutdown(); });
 }
 

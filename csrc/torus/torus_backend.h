@@ -5,15 +5,13 @@
 #pragma once
 
 #include "torus/host_pipeline.h"
+#include "torus/stream_pipeline.h"
 #include "torus/topology.h"
 
-#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 
 namespace torch_bigbatch::torus {
@@ -95,15 +93,13 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op,
                                                  c10d::OpType op_type, const char* collective);
-  c10::Stream side_stream(c10::Device device);
   void for_each_group(const std::function<void(c10d::Backend&)>& visit);
 
   const TorusShape shape_;
   const TorusSettings settings_;
   std::optional<Engines> cpu_, cuda_;
   std::unique_ptr<HostPipeline> host_;
-  std::mutex streams_mutex_;
-  std::map<c10::DeviceIndex, c10::Stream> side_streams_;
+  std::unique_ptr<StreamPipeline> stream_;
 };
 
 }  // namespace torch_bigbatch::torus
