@@ -112,7 +112,7 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   for (size_t index : active_) {
     const Phase phase = kPhaseOrder[index];
     c10::StreamGuard on_phase(streams.phase[index]);
-    for (size_t k = 0; k < spans.size() && !error; ++k) {
+    for (size_t k = 0; k < spans.size(); ++k) {
       auto [begin, length] = spans[k];
       at::Tensor part = buffer.flat.narrow(0, begin, length);
       at::Tensor part_reduced = reduced.narrow(0, begin / columns, length / columns);
@@ -180,8 +180,8 @@ void StreamPipeline::watch() {
 }
 
 void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
-  // done events complete in call order, so the Works after the oldest one still running need
-  // no full poll: they can only fail with the pipeline.
+  // done events complete in call order (on a device; a process drives one), so the Works after
+  // the oldest one still running need no full poll: they can only fail with the pipeline.
   bool older_running = false;
   for (auto& work : watched) {
     if (work->settled()) continue;

@@ -78,7 +78,7 @@ void StreamWork::complete() {
   if (settled_.exchange(true)) return;
   {
     // The device is done with the result, so the future's events go on a stream that carries
-    // nothing: they are complete at once and tie a consumer to no later allreduce.
+    // none of the pipeline's work: they tie a consumer to no later allreduce.
     c10::StreamGuard on_completion(completion_);
     future_->markCompleted(c10::IValue(outputs_));
   }

@@ -65,11 +65,11 @@ struct DeviceWork {
 
 class StreamWork : public c10d::Work {
  public:
-  // `completion`: a stream of the outputs' device that carries no work (see complete()).
+  // `completion`: a stream of the outputs' device that carries none of the pipeline's work.
   StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
              std::vector<at::Tensor> outputs, DeviceWork device_work, c10::Stream completion);
 
-  // The pipeline's watcher thread calls these. poll() settles the work when its device work is
+  // For the pipeline. poll() (its watcher thread's) settles the work when its device work is
   // done, one of its phases failed, the pipeline failed, or its deadline has passed.
   void poll();
   void fail(const std::exception_ptr& error);  // unless it is settled already
