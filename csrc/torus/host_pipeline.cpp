@@ -130,10 +130,10 @@ void then(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
   work->getFuture()->addCallback(
       [context, segment, phase, next](c10::ivalue::Future& future) {
         try {
-          TORCH_CHECK(!future.hasError(), "torus allreduce failed in the ",
-                      describe_phase(context->shape, phase), " (", context->shape.describe(),
-                      "), segment ", segment->index + 1, " of ", segment->count, ": ",
-                      future.hasError() ? future.tryRetrieveErrorMessage() : "");
+          if (future.hasError()) {
+            TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index,
+                                                segment->count, future.tryRetrieveErrorMessage()));
+          }
           if (auto failure = context->first_failure()) std::rethrow_exception(failure);
           next(context, segment);
         } catch (...) {

@@ -2,109 +2,203 @@
 
 #include "torus/flat_buffer.h"
 
-#include <ATen/core/ivalue.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <deque>
 
 namespace torch_bigbatch::torus {
 namespace {
 
-class StreamWork : public c10d::Work {
- public:
-  StreamWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs, c10::Event done,
-             c10::intrusive_ptr<c10::ivalue::Future> future,
-             std::vector<c10::intrusive_ptr<c10d::Work>> phases)
-      : c10d::Work(rank, op_type, "torus", outputs),
-        outputs_(std::move(outputs)),
-        done_(std::move(done)),
-        future_(std::move(future)),
-        phases_(std::move(phases)) {}
-
-  bool isCompleted() override { return done_.query(); }
-  bool isSuccess() const override { return true; }
-  void synchronize() override {
-    c10::Device device = outputs_.front().device();
-    done_.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+// Whether the device has finished with a Work's tensors. A device that cannot tell (an error, a
+// driver shutting down) counts as not finished, so that nothing is freed under it.
+bool device_done(const StreamWork& work) {
+  try {
+    return work.device_done();
+  } catch (...) {
+    return false;
   }
-  bool wait(std::chrono::milliseconds /*timeout: the engines' own watchdogs apply*/) override {
-    synchronize();
-    return true;
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::Event done_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> phases_;  // kept alive with their buffers
-};
+}
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> stream_allreduce(const TorusShape& shape, const Engines& engines,
-                                                std::vector<at::Tensor> inputs,
-                                                const c10d::ReduceOp& op, c10d::OpType op_type,
-                                                int64_t segment_bytes, c10::Stream side) {
-  c10::Device device = inputs.front().device();
-  c10::impl::VirtualGuardImpl guard_impl(device.type());
-  c10::Event inputs_ready(device.type());
-  inputs_ready.record(guard_impl.getStream(device));
-  inputs_ready.block(side);
-  c10::StreamGuard on_side(side);
-  for (auto& input : inputs) input.record_stream(side);  // the allocator must not reuse it early
+StreamPipeline::StreamPipeline(TorusShape shape, Engines engines, int64_t segment_bytes,
+                               std::chrono::milliseconds timeout)
+    : engines_(std::move(engines)),
+      segment_bytes_(segment_bytes),
+      context_(std::make_shared<PipelineContext>(shape, timeout)) {
+  TORCH_CHECK(segment_bytes_ > 0, "torus: segment_bytes must be positive, got ", segment_bytes_);
+  if (shape.columns > 1) active_.push_back(0);
+  if (shape.rows > 1) active_.push_back(1);
+  if (shape.columns > 1) active_.push_back(2);
+  watcher_ = std::thread([this] { watch(); });
+}
 
-  const int64_t columns = shape.columns;
-  FlatBuffer buffer(inputs, columns);
-  at::Tensor chunk = columns > 1 ? at::empty({buffer.flat.numel() / columns}, buffer.flat.options())
-                                 : buffer.flat;
-  struct Segment {
-    at::Tensor part, chunk;
-    c10::intrusive_ptr<c10d::Work> scatter, column;
-  };
-  std::vector<Segment> segments;
-  for (auto [begin, length] : buffer.segments(segment_bytes)) {
-    segments.push_back({buffer.flat.narrow(0, begin, length),
-                        chunk.narrow(0, begin / columns, length / columns), {}, {}});
+StreamPipeline::~StreamPipeline() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_one();
+  watcher_.join();
+}
+
+c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor> inputs,
+                                                         c10d::ReduceOp op,
+                                                         c10d::OpType op_type) {
+  TORCH_INTERNAL_ASSERT(!active_.empty(), "a torus of one rank has no phases");
+  TORCH_CHECK(op.op_ != c10d::ReduceOp::BAND && op.op_ != c10d::ReduceOp::BOR &&
+                  op.op_ != c10d::ReduceOp::BXOR,
+              "torus allreduce: NCCL has no bitwise reductions; ReduceOp BAND, BOR and BXOR "
+              "work on CPU tensors");
+  std::lock_guard<std::mutex> ordered(enqueue_mutex_);
+  context_->check_usable();
+  const c10::Device device = inputs.front().device();
+  const DeviceStreams& streams = streams_for(device);
+  DeviceWork device_work(device.type());
+  std::exception_ptr error = enqueue(inputs, op, streams, device_work);
+  auto work = c10::make_intrusive<StreamWork>(context_, op_type, std::move(inputs),
+                                              std::move(device_work), streams.completion);
+  // A phase that could not be enqueued fails the pipeline at once; the phases enqueued before
+  // it still run, and the watcher keeps their tensors until they end.
+  if (error) work->fail(error);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    incoming_.push_back(work);
+  }
+  wake_.notify_one();
+  if (error) std::rethrow_exception(error);
+  return work;
+}
+
+const StreamPipeline::DeviceStreams& StreamPipeline::streams_for(c10::Device device) {
+  auto found = streams_.find(device.index());
+  if (found != streams_.end()) return found->second;
+  c10::impl::VirtualGuardImpl guard_impl(device.type());
+  auto next = [&] { return guard_impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false); };
+  DeviceStreams streams{{next(), next(), next()}, next(), next()};
+  return streams_.emplace(device.index(), streams).first->second;
+}
+
+// Enqueues every phase of every segment, then the finish. Returns the named error of a phase
+// whose collective could not be enqueued (none after it is).
+std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs,
+                                           const c10d::ReduceOp& op,
+                                           const DeviceStreams& streams,
+                                           DeviceWork& device_work) {
+  const c10::Device device = inputs.front().device();
+  const int64_t columns = context_->shape.columns;
+  const c10::Stream& first = streams.phase[active_.front()];
+  c10::Event inputs_ready(device.type());
+  inputs_ready.record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  inputs_ready.block(first);
+  FlatBuffer buffer;
+  at::Tensor reduced;  // this rank's 1/X of each segment, between the row phases
+  {
+    c10::StreamGuard on_first(first);
+    buffer = FlatBuffer(inputs, columns);
+    reduced = columns > 1 ? at::empty({buffer.flat.numel() / columns}, buffer.flat.options())
+                          : buffer.flat;
+  }
+  device_work.buffers = {buffer.flat, reduced};
+  const auto spans = buffer.segments(segment_bytes_);
+  device_work.segments = static_cast<int64_t>(spans.size());
+
+  // NCCL has AVG: over X in the row and then over Y in the column, it averages over X*Y.
+  std::exception_ptr error;
+  std::vector<c10::intrusive_ptr<c10d::Work>> latest(spans.size());  // per segment
+  for (size_t index : active_) {
+    const Phase phase = kPhaseOrder[index];
+    c10::StreamGuard on_phase(streams.phase[index]);
+    for (size_t k = 0; k < spans.size(); ++k) {
+      auto [begin, length] = spans[k];
+      at::Tensor part = buffer.flat.narrow(0, begin, length);
+      at::Tensor part_reduced = reduced.narrow(0, begin / columns, length / columns);
+      try {
+        if (latest[k]) latest[k]->synchronize();  // this phase's stream waits for the last one
+        latest[k] = issue(phase, part, part_reduced, op);
+      } catch (...) {
+        error = context_->phase_failed(phase, static_cast<int64_t>(k), device_work.segments,
+                                       std::current_exception());
+        break;
+      }
+      device_work.phases.push_back({phase, static_cast<int64_t>(k), latest[k]});
+    }
+    if (error) break;
   }
 
-  // NCCL has AVG: over X in the row and over Y in the column it averages over X*Y.
-  std::vector<c10::intrusive_ptr<c10d::Work>> phases;
-  if (engines.row_scatter) {
+  c10::StreamGuard on_finish(streams.finish);
+  for (const auto& phase : device_work.phases) phase.work->synchronize();
+  if (!error) buffer.copy_out();
+  device_work.done.record(streams.finish);
+  return error;
+}
+
+c10::intrusive_ptr<c10d::Work> StreamPipeline::issue(Phase phase, at::Tensor& part,
+                                                     at::Tensor& reduced,
+                                                     const c10d::ReduceOp& op) {
+  if (phase == Phase::RowScatter) {
     c10d::ReduceScatterOptions options;
     options.reduceOp = op;
-    for (auto& s : segments) {
-      s.scatter = engines.row_scatter->_reduce_scatter_base(s.chunk, s.part, options);
-      phases.push_back(s.scatter);
-    }
+    return engines_.row_scatter->_reduce_scatter_base(reduced, part, options);
   }
-  if (engines.column) {
+  if (phase == Phase::ColumnAllreduce) {
     c10d::AllreduceOptions options;
     options.reduceOp = op;
-    for (auto& s : segments) {
-      if (s.scatter) s.scatter->synchronize();
-      std::vector<at::Tensor> tensors{s.chunk};
-      s.column = engines.column->allreduce(tensors, options);
-      phases.push_back(s.column);
-    }
+    std::vector<at::Tensor> tensors{reduced};
+    return engines_.column->allreduce(tensors, options);
   }
-  if (engines.row_gather) {
-    for (auto& s : segments) {
-      (s.column ? s.column : s.scatter)->synchronize();
-      phases.push_back(engines.row_gather->_allgather_base(s.part, s.chunk));
-    }
-  }
-  phases.back()->synchronize();
-  buffer.copy_out();
+  return engines_.row_gather->_allgather_base(part, reduced);
+}
 
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
-  future->markCompleted(c10::IValue(inputs));  // records an event on the side stream
-  c10::Event done(device.type());
-  done.record(side);
-  return c10::make_intrusive<StreamWork>(shape.rank, op_type, std::move(inputs), std::move(done),
-                                         std::move(future), std::move(phases));
+void StreamPipeline::watch() {
+  std::deque<c10::intrusive_ptr<StreamWork>> watched;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (watched.empty()) {
+        wake_.wait(lock, [this] { return stopping_ || !incoming_.empty(); });
+      } else {
+        wake_.wait_for(lock, kPollInterval, [this] { return stopping_; });
+      }
+      for (auto& work : incoming_) watched.push_back(std::move(work));
+      incoming_.clear();
+      if (stopping_) break;
+    }
+    poll(watched);
+  }
+  auto shut_down =
+      std::make_exception_ptr(C10_BUILD_ERROR(DistBackendError, "torus backend was shut down"));
+  for (auto& work : watched) {
+    work->fail(shut_down);
+    // Still in flight (a hung collective, or one nobody waited for): its tensors stay allocated
+    // rather than go back to the caching allocator while a stream may still write them.
+    if (!device_done(*work)) (void)work.release();
+  }
+}
+
+void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
+  // done events complete in call order (on a device; a process drives one), so the Works after
+  // the oldest one still running need no full poll: they can only fail with the pipeline.
+  bool older_running = false;
+  for (auto& work : watched) {
+    if (work->settled()) continue;
+    try {
+      if (!older_running) {
+        work->poll();
+        older_running = !work->settled();
+      } else if (auto failure = context_->failure()) {
+        work->fail(failure);
+      }
+    } catch (...) {
+      work->fail(std::current_exception());  // a device error while querying an event
+    }
+  }
+  while (!watched.empty() && watched.front()->settled() && device_done(*watched.front())) {
+    watched.pop_front();
+  }
 }
 
 }  // namespace torch_bigbatch::torus

@@ -1,23 +1,105 @@
-// The torus allreduce on engines that order work by streams (NCCL, CUDA tensors). Every phase
-// is enqueued at once by the calling thread on a torus side stream: after each phase,
-// Work::synchronize makes the side stream wait for it, and the next group's stream waits for
-// the side stream when its collective is enqueued. The host never blocks; wait() makes the
-// caller's stream wait for the last phase.
+// The torus allreduce on engines that order their work by streams (NCCL, CUDA tensors).
+//
+// Streams. An engine's collective waits for what the current stream holds when it is enqueued,
+// then runs on the engine's own stream; Work::synchronize() makes the current stream wait for
+// its end. The pipeline owns, per device, one stream per phase, a finish stream and a completion
+// stream; they run no collective, they only order them. Before phase p of segment k is
+// enqueued, the stream of phase p waits for exactly one thing:
+//   - the reduce-scatter stream (the first phase's) for the caller's current stream, since the
+//     inputs are ready there; the copy into a flat buffer, when there is one, runs on it too;
+//   - the column stream for the reduce-scatter of segment k;
+//   - the allgather stream for the column allreduce (or, with one row, the reduce-scatter) of k.
+// Each stream thus accumulates waits on one engine, whose own stream runs in order, so what it
+// waited for earlier is implied anyway: segment k+1 is reduce-scattered while segment k crosses
+// the column, and a call's reduce-scatters do not wait for the previous call's allgathers.
+//
+// Order. The calling thread enqueues every phase of a call at once and in one fixed order (all
+// reduce-scatters, then all column allreduces, then all allgathers, each in segment order),
+// never interleaved with another call's, so every group sees its collectives in the same order
+// on every rank.
+//
+// Completion. The finish stream waits for every phase of the call, copies the result back when
+// the flat buffer is a copy, and records the Work's `done` event. done events complete in call
+// order (one finish stream per device). A watcher thread polls the oldest unsettled Works (every
+// kPollInterval): a phase with an error fails its Work with the phase named, a late Work fails
+// naming the phase it waits for, and a Work whose done event has completed completes its future
+// with the outputs. After the first failure every pending and later allreduce fails, as on the
+// host pipeline, so nothing pairs with the wrong peer.
+//
+// Lifetime. A Work holds its inputs, its flat buffer, the reduced parts and the phase Works; the
+// watcher holds the Work until its done event has completed, also after a failure, so no tensor
+// goes back to the caching allocator while one of these streams may still use it.
+//
+// Host. allreduce() never blocks. wait() blocks until the Work is settled (bounded by its timeout
+// or the pipeline's), then throws the named error or makes the current stream wait for done; a
+// wait whose timeout passes fails the Work as the pipeline's own timeout would. The future
+// completes on the watcher thread, so its then() callbacks run there, as Gloo's run on its
+// worker threads; a callback must not block on another torus collective.
 #pragma once
 
+#include "torus/stream_work.h"
 #include "torus/topology.h"
 
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace torch_bigbatch::torus {
 
-c10::intrusive_ptr<c10d::Work> stream_allreduce(const TorusShape& shape, const Engines& engines,
-                                                std::vector<at::Tensor> inputs,
-                                                const c10d::ReduceOp& op, c10d::OpType op_type,
-                                                int64_t segment_bytes, c10::Stream side);
+class StreamPipeline {
+ public:
+  StreamPipeline(TorusShape shape, Engines engines, int64_t segment_bytes,
+                 std::chrono::milliseconds timeout);
+  ~StreamPipeline();
+  StreamPipeline(const StreamPipeline&) = delete;
+  StreamPipeline& operator=(const StreamPipeline&) = delete;
+
+  // Reduces `inputs` (one dtype, one device) in place: one tensor for allreduce, several for
+  // allreduce_coalesced (reduced as one flattened buffer).
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> inputs, c10d::ReduceOp op,
+                                           c10d::OpType op_type);
+
+ private:
+  // How late a completed allreduce is noticed at most: DDP's host waits for its last bucket.
+  static constexpr std::chrono::microseconds kPollInterval{200};
+  static constexpr std::array<Phase, 3> kPhaseOrder = {
+      Phase::RowScatter, Phase::ColumnAllreduce, Phase::RowGather};
+
+  struct DeviceStreams {
+    std::array<c10::Stream, kPhaseOrder.size()> phase;
+    c10::Stream finish, completion;
+  };
+
+  const DeviceStreams& streams_for(c10::Device device);
+  std::exception_ptr enqueue(const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op,
+                             const DeviceStreams& streams, DeviceWork& device_work);
+  c10::intrusive_ptr<c10d::Work> issue(Phase phase, at::Tensor& part, at::Tensor& reduced,
+                                       const c10d::ReduceOp& op);
+  void watch();
+  void poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched);
+
+  const Engines engines_;
+  const int64_t segment_bytes_;
+  const std::shared_ptr<PipelineContext> context_;
+  std::vector<size_t> active_;  // indices into kPhaseOrder of the phases this shape has
+
+  std::mutex enqueue_mutex_;  // one call's phases at a time; guards streams_
+  std::map<c10::DeviceIndex, DeviceStreams> streams_;
+
+  std::mutex mutex_;  // guards what the calling threads hand the watcher
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::vector<c10::intrusive_ptr<StreamWork>> incoming_;
+  std::thread watcher_;
+};
 
 }  // namespace torch_bigbatch::torus

@@ -41,4 +41,17 @@ std::string describe_phase(const TorusShape& shape, Phase phase) {
   return "unknown phase";
 }
 
+std::string describe_failure(const TorusShape& shape, Phase phase, int64_t segment,
+                             int64_t segments, const std::string& message) {
+  return c10::str("torus allreduce failed in the ", describe_phase(shape, phase), " (",
+                  shape.describe(), "), segment ", segment + 1, " of ", segments, ": ", message);
+}
+
+std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segment,
+                             int64_t segments, std::chrono::milliseconds after) {
+  return c10::str("torus allreduce timed out after ", after.count(), " ms: ", shape.describe(),
+                  " waits for the ", describe_phase(shape, phase), ", segment ", segment + 1,
+                  " of ", segments);
+}
+
 }  // namespace torch_bigbatch::torus

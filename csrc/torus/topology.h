@@ -4,6 +4,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,16 @@ enum class Phase {
 
 // "reduce-scatter along row 1 (ranks 2, 3)": what a failure message names.
 std::string describe_phase(const TorusShape& shape, Phase phase);
+
+// How both pipelines report a failed or late phase of segment `segment` (0-based) of `segments`:
+// "torus allreduce failed in the reduce-scatter along row 1 (ranks 2, 3) (rank 2 at x=0, y=1 of
+// a 2x2 torus), segment 1 of 4: <the engine's message>" and "torus allreduce timed out after
+// 5000 ms: rank 2 at x=0, y=1 of a 2x2 torus waits for the allgather along row 1 (ranks 2, 3),
+// segment 1 of 4".
+std::string describe_failure(const TorusShape& shape, Phase phase, int64_t segment,
+                             int64_t segments, const std::string& message);
+std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segment,
+                             int64_t segments, std::chrono::milliseconds after);
 
 // Each phase has a group of its own (the row and, on the host, the column twice), so that phases
 // of different segments run at once and every group sees its collectives in one fixed order.

@@ -1,9 +1,7 @@
 #include "torus/torus_backend.h"
 
 #include "torus/local_reduce.h"
-#include "torus/stream_pipeline.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
@@ -72,6 +70,10 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
   if (cpu_) host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.segment_bytes);
+  if (cuda_) {
+    stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, settings_.segment_bytes,
+                                               settings_.timeout);
+  }
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -148,8 +150,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
     }
     return host_->allreduce(std::move(tensors), op, op_type);
   }
-  return stream_allreduce(shape_, engines, std::move(tensors), op, op_type,
-                          settings_.segment_bytes, side_stream(first.device()));
+  TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
+  return stream_->allreduce(std::move(tensors), op, op_type);
 }
 
 // One allreduce of the whole group: the engine's own, its failure named as the torus's are. On
@@ -193,16 +195,6 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engi
     }
   });
   return finished;
-}
-
-c10::Stream TorusBackend::side_stream(c10::Device device) {
-  std::lock_guard<std::mutex> lock(streams_mutex_);
-  auto found = side_streams_.find(device.index());
-  if (found != side_streams_.end()) return found->second;
-  c10::Stream stream =
-      c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, false);
-  side_streams_.emplace(device.index(), stream);
-  return stream;
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce_sparse(
@@ -339,6 +331,7 @@ void TorusBackend::abort() {
 
 void TorusBackend::shutdown() {
   host_.reset();
+  stream_.reset();
   for_each_group([](c10d::Backend& group) { group.shutdown(); });
 }
 

@@ -5,16 +5,14 @@
 #pragma once
 
 #include "torus/host_pipeline.h"
+#include "torus/stream_pipeline.h"
 #include "torus/topology.h"
 
-#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
 #include <limits>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 
 namespace torch_bigbatch::torus {
@@ -104,15 +102,13 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> whole_allreduce(const Engines& engines,
                                                  std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op, c10d::OpType op_type);
-  c10::Stream side_stream(c10::Device device);
   void for_each_group(const std::function<void(c10d::Backend&)>& visit);
 
   const TorusShape shape_;
   const TorusSettings settings_;
   std::optional<Engines> cpu_, cuda_;
   std::unique_ptr<HostPipeline> host_;
-  std::mutex streams_mutex_;
-  std::map<c10::DeviceIndex, c10::Stream> side_streams_;
+  std::unique_ptr<StreamPipeline> stream_;
 };
 
 }  // namespace torch_bigbatch::torus

@@ -1,0 +1,152 @@
+#include "torus/stream_work.h"
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <tuple>
+
+namespace torch_bigbatch::torus {
+namespace {
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
+void PipelineContext::record_failure(const std::exception_ptr& error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!failure_) failure_ = error;
+}
+
+std::exception_ptr PipelineContext::failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+void PipelineContext::check_usable() const {
+  if (auto error = failure()) {
+    TORCH_CHECK(false, "torus backend is unusable after an earlier failure: ", message_of(error));
+  }
+}
+
+std::exception_ptr PipelineContext::phase_failed(Phase phase, int64_t segment, int64_t segments,
+                                                 const std::exception_ptr& cause) const {
+  return std::make_exception_ptr(C10_BUILD_ERROR(
+      DistBackendError, describe_failure(shape, phase, segment, segments, message_of(cause))));
+}
+
+std::exception_ptr PipelineContext::phase_timed_out(Phase phase, int64_t segment,
+                                                    int64_t segments,
+                                                    std::chrono::milliseconds after) const {
+  return std::make_exception_ptr(C10_BUILD_ERROR(
+      DistBackendError, describe_timeout(shape, phase, segment, segments, after)));
+}
+
+StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
+                       std::vector<at::Tensor> outputs, DeviceWork device_work,
+                       c10::Stream completion)
+    : c10d::Work(context->shape.rank, op_type, "torus", outputs),
+      context_(std::move(context)),
+      outputs_(std::move(outputs)),
+      device_work_(std::move(device_work)),
+      completion_(completion),
+      deadline_(Clock::now() + context_->timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()),
+          std::vector<c10::Device>{outputs_.front().device()})) {}
+
+void StreamWork::poll() {
+  // Queried first: an error that ended a phase early is visible by the time the event is.
+  const bool done = device_done();
+  if (auto error = failed_phase()) return fail(error);
+  if (auto error = context_->failure()) return fail(error);
+  if (done) return complete();
+  if (Clock::now() >= deadline_) fail(timed_out(context_->timeout));
+}
+
+void StreamWork::complete() {
+  if (settled_.exchange(true)) return;
+  {
+    // The device is done with the result, so the future's events go on a stream that carries
+    // none of the pipeline's work: they tie a consumer to no later allreduce.
+    c10::StreamGuard on_completion(completion_);
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish();
+}
+
+void StreamWork::fail(const std::exception_ptr& error) {
+  if (settled_.exchange(true)) return;
+  context_->record_failure(error);  // before the future's callbacks can issue another allreduce
+  future_->setError(error);
+  finish(error);
+}
+
+bool StreamWork::device_done() const {
+  return device_work_.done.query();
+}
+
+bool StreamWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto finished = [this] { return completed_; };
+  if (timeout == kNoTimeout) {
+    cv_.wait(lock, finished);  // never forever: the watcher settles every work by its deadline
+  } else if (!cv_.wait_for(lock, timeout, finished)) {
+    lock.unlock();
+    fail(timed_out(timeout));  // nothing happens if the watcher has just settled it
+    lock.lock();
+    cv_.wait(lock, finished);
+  }
+  std::exception_ptr error = exception_;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
+  synchronize();
+  return true;
+}
+
+void StreamWork::synchronize() {
+  const c10::Device device = outputs_.front().device();
+  device_work_.done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  c10d::Work::synchronize();
+}
+
+// The first phase, in segment order and then in pipeline order, that `matches`.
+const PhaseWork* StreamWork::first_phase(bool (*matches)(c10d::Work&)) const {
+  const PhaseWork* first = nullptr;
+  for (const auto& phase : device_work_.phases) {
+    bool earlier = first == nullptr ||
+                   std::tie(phase.segment, phase.phase) < std::tie(first->segment, first->phase);
+    if (earlier && matches(*phase.work)) first = &phase;
+  }
+  return first;
+}
+
+std::exception_ptr StreamWork::failed_phase() const {
+  const PhaseWork* failed = first_phase([](c10d::Work& work) {
+    work.isCompleted();  // lets an NCCL Work take up its communicator's asynchronous error
+    return work.exception() != nullptr;
+  });
+  if (failed == nullptr) return nullptr;
+  return context_->phase_failed(failed->phase, failed->segment, device_work_.segments,
+                                failed->work->exception());
+}
+
+std::exception_ptr StreamWork::timed_out(std::chrono::milliseconds after) const {
+  const PhaseWork* late =
+      first_phase([](c10d::Work& work) { return !work.isCompleted(); });
+  // Every phase has ended and the copy of the result is what is left: name the last phase.
+  const PhaseWork& phase = late != nullptr ? *late : device_work_.phases.back();
+  return context_->phase_timed_out(phase.phase, phase.segment, device_work_.segments, after);
+}
+
+}  // namespace torch_bigbatch::torus

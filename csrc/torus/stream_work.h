@@ -1,0 +1,101 @@
+// The Work of one torus allreduce whose phases the device orders by streams (NCCL, CUDA
+// tensors). stream_pipeline.h says how its streams, events and phase Works relate; this is what
+// the caller and DDP see: isCompleted, isSuccess and exception without blocking, wait(timeout),
+// and a future that completes with the output tensors or with the named error.
+#pragma once
+
+#include "torus/topology.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace torch_bigbatch::torus {
+
+// What the Works of one pipeline share: the shape that names their phases, their timeout, and
+// the pipeline's first failure, after which it refuses every allreduce (the groups' collective
+// sequences may differ between ranks then).
+class PipelineContext {
+ public:
+  PipelineContext(TorusShape shape, std::chrono::milliseconds timeout)
+      : shape(shape), timeout(timeout) {}
+
+  void record_failure(const std::exception_ptr& error);  // keeps the first
+  std::exception_ptr failure() const;
+  void check_usable() const;  // throws after a failure, naming it
+
+  // The errors of a phase of segment `segment` (0-based) of `segments`, named as on the host
+  // pipeline (topology.h).
+  std::exception_ptr phase_failed(Phase phase, int64_t segment, int64_t segments,
+                                  const std::exception_ptr& cause) const;
+  std::exception_ptr phase_timed_out(Phase phase, int64_t segment, int64_t segments,
+                                     std::chrono::milliseconds after) const;
+
+  const TorusShape shape;
+  const std::chrono::milliseconds timeout;
+
+ private:
+  mutable std::mutex mutex_;
+  std::exception_ptr failure_;
+};
+
+// One collective of one segment, as its engine returned it.
+struct PhaseWork {
+  Phase phase;
+  int64_t segment;
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+// What one allreduce put on the device.
+struct DeviceWork {
+  explicit DeviceWork(c10::DeviceType type) : done(type) {}
+
+  std::vector<PhaseWork> phases;    // in the order they were enqueued
+  int64_t segments = 0;
+  std::vector<at::Tensor> buffers;  // the flat buffer and the reduced parts the phases use
+  c10::Event done;                  // recorded after every phase and the copy back
+};
+
+class StreamWork : public c10d::Work {
+ public:
+  // `completion`: a stream of the outputs' device that carries none of the pipeline's work.
+  StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
+             std::vector<at::Tensor> outputs, DeviceWork device_work, c10::Stream completion);
+
+  // For the pipeline. poll() (its watcher thread's) settles the work when its device work is
+  // done, one of its phases failed, the pipeline failed, or its deadline has passed.
+  void poll();
+  void fail(const std::exception_ptr& error);  // unless it is settled already
+  bool settled() const { return settled_; }
+  bool device_done() const;  // the device no longer uses its tensors (even after a failure)
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;  // the current stream waits for the result
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void complete();
+  const PhaseWork* first_phase(bool (*matches)(c10d::Work&)) const;
+  std::exception_ptr failed_phase() const;
+  std::exception_ptr timed_out(std::chrono::milliseconds after) const;
+
+  const std::shared_ptr<PipelineContext> context_;
+  const std::vector<at::Tensor> outputs_;
+  const DeviceWork device_work_;
+  const c10::Stream completion_;
+  const Clock::time_point deadline_;
+  const c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<bool> settled_{false};  // completed or failed: the first of the two wins
+};
+
+}  // namespace torch_bigbatch::torus

@@ -1,0 +1,170 @@
+"""The "torus" backend's CUDA pipeline (NCCL) on real processes, one GPU per rank.
+
+NCCL refuses two ranks on one GPU and a group of one rank never reaches the pipeline (it takes
+the whole group's allreduce), so these tests need at least two GPUs; test_torus.py has the one
+CUDA test a single GPU can run. Inputs are small integers, so every expected value is exact in
+float32 and bfloat16 and has a closed form in the ranks.
+"""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_bigbatch  # noqa: F401  (registers backend "torus")
+from torch_bigbatch.distributed import TorusOptions
+
+from conftest import CUDA
+from multiprocess import run_ranks
+from test_torus import SmallConvNet, global_batches, train
+
+
+def needs_gpus(count):
+    return pytest.mark.skipif(torch.cuda.device_count() < count,
+                              reason=f"needs {count} GPUs: NCCL runs one rank per GPU")
+
+
+SHAPES = [pytest.param(shape, id=f"{shape[0]}x{shape[1]}", marks=[CUDA, needs_gpus(count)])
+          for shape, count in (((2, 1), 2), ((1, 2), 2), ((2, 2), 4))]
+
+
+def init(rank, world_size, port, shape, segment_bytes=64 << 10, seconds=60):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size,
+                            pg_options=TorusOptions(shape=shape, segment_bytes=segment_bytes),
+                            timeout=datetime.timedelta(seconds=seconds))
+    return torch.device("cuda", rank)
+
+
+def expected(op, base, world_size):
+    """The reduction of base + rank over the ranks."""
+    ranks = sum(range(world_size))
+    return {"SUM": base * world_size + ranks, "AVG": base + ranks / world_size,
+            "MAX": base + world_size - 1, "MIN": base}[op]
+
+
+def allreduce_on_gpus(rank, world_size, port, shape):
+    # 64 KiB segments: 100,003 float32 values make 7 segments, 7 values a padded copy.
+    device = init(rank, world_size, port, shape)
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in ("SUM", "AVG", "MAX", "MIN"):
+            if op == "AVG" and dtype == torch.int64:
+                continue  # refused up front: integer AVG is not exact
+            for numel in (1, 7, 100_003):
+                base = torch.arange(numel, device=device) % 7
+                tensor = (base + rank).to(dtype)
+                dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+                want = expected(op, base.double(), world_size)
+                assert torch.equal(tensor.double(), want), f"{op} {dtype} n={numel}"
+                checked += 1
+
+    # A non-contiguous view: the result lands in the view, the rest is untouched.
+    base = torch.arange(3000.0, device=device).view(100, 30) % 5
+    matrix = base + rank
+    view, untouched = matrix[:, ::3], matrix[:, 1::3].clone()
+    dist.all_reduce(view)
+    assert torch.equal(view, expected("SUM", base[:, ::3], world_size))
+    assert torch.equal(matrix[:, 1::3], untouched)
+    # allreduce_coalesced: one flattened buffer for several tensors.
+    tensors = [torch.full((n,), float(rank), device=device) for n in (5, 1001, 3)]
+    dist.all_reduce_coalesced(tensors)
+    for tensor in tensors:
+        assert torch.equal(tensor, torch.full_like(tensor, expected("SUM", 0.0, world_size)))
+
+    # Consecutive calls in flight at once, as DDP's buckets are; each future chained as DDP's
+    # communication hooks do.
+    tensors = [torch.full((50_000,), float(rank + i), device=device) for i in range(20)]
+    works = [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
+    doubled = [work.get_future().then(lambda future: future.value()[0] * 2) for work in works]
+    for i, (tensor, work, future) in enumerate(zip(tensors, works, doubled)):
+        want = torch.full_like(tensor, expected("SUM", float(i), world_size))
+        assert torch.equal(future.wait(), want * 2), f"future {i}"
+        assert work.wait()
+        assert torch.equal(tensor, want), f"call {i}"
+        assert work.is_completed() and work.is_success()
+    return checked
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_allreduce_matches_closed_form(shape):
+    checked = run_ranks(allreduce_on_gpus, shape[0] * shape[1], shape, deadline=300)
+    assert checked[0] == 3 * 4 * 3 - 3
+
+
+def ddp_on_gpus(rank, world_size, port, shape):
+    # Small buckets and segments: several allreduces of several segments overlap the backward.
+    device = init(rank, world_size, port, shape, segment_bytes=256)
+    torch.manual_seed(0)
+    model = SmallConvNet().double().to(device)
+    steps, batch = 4, 16
+    shard = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+    batches = [(x[shard].to(device), y[shard].to(device)) for x, y in global_batches(steps, batch)]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank], bucket_cap_mb=0.001)
+    return train(ddp, batches, steps).cpu().tolist()  # tensors cannot outlive the rank
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ddp_matches_one_process(shape):
+    results = run_ranks(ddp_on_gpus, shape[0] * shape[1], shape, deadline=300)
+    torch.manual_seed(0)
+    whole_batch = train(SmallConvNet().double(), global_batches(4, 16), 4)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result, dtype=torch.float64), whole_batch,
+                                   rtol=1e-6, atol=1e-6, msg=f"rank {rank}: torus vs one process")
+
+
+def late_peer(rank, world_size, port):
+    # The pipeline's deadlines decide here: NCCL's watchdog would end the process on a timeout.
+    os.environ.update(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+                      TORCH_NCCL_ENABLE_MONITORING="0")
+    device = init(rank, world_size, port, (2, 1))
+    short = dist.new_group(backend="torus", timeout=datetime.timedelta(seconds=3),
+                           pg_options=TorusOptions(shape=(2, 1)))
+    for group in (None, short):  # every group is connected
+        dist.all_reduce(torch.ones(10, device=device), group=group)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(10)  # joins nothing more; exits after rank 0 has seen both failures
+        return None
+    outcome = {}
+    start = time.monotonic()
+    try:  # the group's own timeout, through a blocking allreduce
+        dist.all_reduce(torch.ones(1000, device=device), group=short)
+    except RuntimeError as error:
+        outcome["deadline"] = (time.monotonic() - start, str(error))
+    work = dist.all_reduce(torch.ones(1000, device=device), async_op=True)
+    start = time.monotonic()
+    try:
+        work.wait(datetime.timedelta(seconds=1))
+    except RuntimeError as error:
+        outcome["wait"] = (time.monotonic() - start, str(error))
+    outcome["work"] = (work.is_completed(), work.is_success())
+    try:
+        dist.all_reduce(torch.ones(10, device=device))
+    except RuntimeError as error:
+        outcome["refused"] = str(error)
+    return outcome
+
+
+@CUDA
+@needs_gpus(2)
+def test_late_peer_fails_named_and_refuses_later_allreduces():
+    outcome = run_ranks(late_peer, 2, deadline=120)[0]
+    phase, where = "reduce-scatter along row 0 (ranks 0, 1)", "rank 0 at x=0, y=0 of a 2x1 torus"
+    seconds, message = outcome["deadline"]
+    assert 2.5 < seconds < 3 + 5, f"the 3 s timeout fired after {seconds:.1f} s"
+    # NCCL's watchdog or the pipeline's deadline, whichever sees it first: the phase is named.
+    assert message.startswith("torus allreduce") and phase in message and where in message, message
+    seconds, message = outcome["wait"]
+    assert 0.9 < seconds < 3, f"wait(1 s) returned after {seconds:.1f} s"
+    timed_out = (f"torus allreduce timed out after 1000 ms: {where} waits for the {phase}, "
+                 "segment 1 of 1")
+    assert message.startswith(timed_out), message
+    assert outcome["work"] == (True, False)
+    assert outcome["refused"].startswith(
+        f"torus backend is unusable after an earlier failure: {timed_out}"), outcome["refused"]
