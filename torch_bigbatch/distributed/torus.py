@@ -10,8 +10,10 @@ row phase) and its column.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -76,12 +78,57 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
     return columns, size // columns
 
 
+def _route_source(host):
+    """The local address this host sends from towards `host` (a UDP connect sends nothing)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def _is_loopback(address):
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def _gloo_address(store, rank, size):
+    """The address this rank's Gloo device binds: the one routed towards MASTER_ADDR (the
+    rendezvous host); on that host, where the route is a loopback one (its own name resolves to
+    127.0.1.1 on Debian), the one routed towards a member that published a non-loopback address.
+    torch's default, the address of the hostname, would be that loopback address too."""
+    address = _route_source(os.environ["MASTER_ADDR"])
+    store.set(f"torch_bigbatch/address/{rank}", address)
+    if _is_loopback(address):
+        for member in range(size):  # blocks until each member has published, as Gloo would
+            other = store.get(f"torch_bigbatch/address/{member}").decode()
+            if not _is_loopback(other):
+                return _route_source(other)
+    return address
+
+
 def _gloo_group(store, rank, size, timeout, threads):
+    """A Gloo group on GLOO_SOCKET_IFNAME's interfaces when it is set (as torch's "gloo"),
+    else on the address from which this rank reaches the others (see _gloo_address)."""
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interfaces:
+        where = f"interface {interfaces}"
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=name)
+                            for name in interfaces.split(",")]
+    elif os.environ.get("MASTER_ADDR"):
+        where = _gloo_address(store, rank, size)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=where)]
+    else:  # no rendezvous host to route to (an init_method URL): the hostname's address
+        where = "the address of the hostname"
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
     options._threads = threads
     options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    try:
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{error}\nThe torus's Gloo group bound {where}. If the ranks cannot reach each "
+            "other there, set GLOO_SOCKET_IFNAME to the interface of the network the nodes share "
+            "(for example eth0) on every node.") from error
 
 
 def _nccl_group(store, rank, size, timeout, threads):
