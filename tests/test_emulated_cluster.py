@@ -20,7 +20,8 @@ from multiprocess import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_cluster  # noqa: E402
-from emulated_cluster import EmulatedCluster, format_outputs, read_text, unsupported_reason  # noqa: E402
+from emulated_cluster import (EmulatedCluster, format_outputs, read_text,  # noqa: E402
+                              unsupported_reason)
 
 pytestmark = pytest.mark.slow
 SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
