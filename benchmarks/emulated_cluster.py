@@ -154,8 +154,10 @@ class EmulatedCluster:
                 self._limit(self.bridge, node.port)
 
     def _limit(self, namespace, device):
-        # tbf needs a bucket of at least one timer tick's bytes; 4 ms of traffic is ample.
-        burst = max(int(self.rate_bits / 8 * 0.004), 16 << 10)
+        # tbf needs a bucket of at least one timer tick's bytes (4 ms of traffic is ample), and
+        # one above the veth's 64 KiB GSO packets, which it would otherwise cut into MTU-sized
+        # ones: their headers would then count at low rates and not at high ones.
+        burst = max(int(self.rate_bits / 8 * 0.004), 128 << 10)
         sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
            "rate", self.rate, "burst", str(burst), "latency", "50ms")
 

@@ -137,8 +137,8 @@ def test_rows_are_nodes_and_columns_cross_the_links():
         row = rows[algorithm]
         assert set(row["sent_per_node"]) == {"node0", "node1"}
         for node, sent in row["sent_per_node"].items():
-            # Headers, the barrier and the rendezvous's heartbeats add a few percent.
-            assert expected <= sent / row["bytes"] <= expected * 1.08, (algorithm, node, sent)
+            # Headers, the barrier and the rendezvous's heartbeats add under 1% here.
+            assert expected <= sent / row["bytes"] <= expected * 1.03, (algorithm, node, sent)
         link_ms = max(row["sent_per_node"].values()) * 8 / 200e6 * 1e3
         assert row["ms"] >= 0.9 * link_ms, (algorithm, row["ms"], link_ms)
 
