@@ -10,8 +10,10 @@ row phase) and its column.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -119,12 +121,57 @@ def _torus_max_bytes(options, columns, rows, device):
     return auto_torus_max_bytes(columns, rows, device)
 
 
+def _route_source(host):
+    """The local address this host sends from towards `host` (a UDP connect sends nothing)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def _is_loopback(address):
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def _gloo_address(store, rank, size):
+    """The address this rank's Gloo device binds: the one routed towards MASTER_ADDR (the
+    rendezvous host); on that host, where the route is a loopback one (its own name resolves to
+    127.0.1.1 on Debian), the one routed towards a member that published a non-loopback address.
+    torch's default, the address of the hostname, would be that loopback address too."""
+    address = _route_source(os.environ["MASTER_ADDR"])
+    store.set(f"torch_bigbatch/address/{rank}", address)
+    if _is_loopback(address):
+        for member in range(size):  # blocks until each member has published, as Gloo would
+            other = store.get(f"torch_bigbatch/address/{member}").decode()
+            if not _is_loopback(other):
+                return _route_source(other)
+    return address
+
+
 def _gloo_group(store, rank, size, timeout, threads):
+    """A Gloo group on GLOO_SOCKET_IFNAME's interfaces when it is set (as torch's "gloo"),
+    else on the address from which this rank reaches the others (see _gloo_address)."""
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interfaces:
+        where = f"interface {interfaces}"
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=name)
+                            for name in interfaces.split(",")]
+    elif os.environ.get("MASTER_ADDR"):
+        where = _gloo_address(store, rank, size)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=where)]
+    else:  # no rendezvous host to route to (an init_method URL): the hostname's address
+        where = "the address of the hostname"
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
     options._threads = threads
     options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    try:
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{error}\nThe torus's Gloo group bound {where}. If the ranks cannot reach each "
+            "other there, set GLOO_SOCKET_IFNAME to the interface of the network the nodes share "
+            "(for example eth0) on every node.") from error
 
 
 def _nccl_group(store, rank, size, timeout, threads):
@@ -187,13 +234,16 @@ def create_torus_backend(backend_options, pg_options=None):
     store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
     world = dist.get_world_size() if dist.is_initialized() else size
-    columns, rows = _agree_on_shape(dist.PrefixStore("torus/", store), rank, size,
+    # A restarted job (torchrun --max-restarts) may see the store of the failed attempt: its
+    # keys would send Gloo to dead ports, so every attempt has keys of its own.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
+    columns, rows = _agree_on_shape(store, rank, size,
                                     lambda: resolve_shape(size, options.shape, world))
-    cpu = _engines(_gloo_group, store, "torus/cpu", rank, columns, rows, timeout,
-                   column_gather=True)
+    cpu = _engines(_gloo_group, store, "cpu", rank, columns, rows, timeout, column_gather=True)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda = _engines(_nccl_group, store, "torus/cuda", rank, columns, rows, timeout,
+        cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                         column_gather=False)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, options.segment_bytes,
                            _torus_max_bytes(options, columns, rows, "cpu"),

@@ -1,0 +1,306 @@
+"""An emulated cluster on one Linux machine: nodes as network namespaces joined by a bridge.
+
+Each node is a network namespace (bbnode<pid>-<i>) with one interface, eth0, at 10.77.0.<i+1>,
+and its own hostname (node<i>, in a UTS namespace of the command). The eth0s are veth links
+whose other ends are ports of a bridge that lives in a namespace of its own (bbbr<pid>), so the
+host's own namespace and interfaces are never touched, and traffic stays inside. An optional
+rate (tc's tbf, both directions of each link) stands for the node's NIC. The names resolve on
+every node through a per-node /etc/hosts (`ip netns exec` mounts /etc/netns/<name>/hosts over
+/etc/hosts), as a cluster's DNS would; `loopback_hostname=True` adds Debian's "127.0.1.1
+<hostname>" line first, the classic way a host's own name resolves to a loopback address.
+
+Needs root. Everything is removed on exit, on an exception, and on SIGINT or SIGTERM.
+
+    # 2 nodes x 2 processes of the training job, over links of 1 Gbit/s:
+    sudo python benchmarks/emulated_cluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit \\
+        examples/train_resnet50.py --dataset synthetic --epochs 1
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SUBNET = "10.77.0"  # a private range that exists only inside the namespaces
+RDZV_PORT = 29400
+COMMAND_TIMEOUT = 10  # seconds for one ip/tc call
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def parse_rate(text):
+    """Bits per second of a tc rate such as "1gbit" or "100mbit"."""
+    match = re.fullmatch(r"([0-9.]+)\s*(bit|kbit|mbit|gbit)", text.strip().lower())
+    if not match:
+        raise ValueError(f'a rate is a number and a unit of {list(RATE_UNITS)}, such as "1gbit"; '
+                         f"got {text!r}")
+    return float(match[1]) * RATE_UNITS[match[2]]
+
+
+def sh(*argv):
+    """Runs an ip/tc command; its stderr goes into the error when it fails."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_namespaces():
+    """Deletes the namespaces a killed run of this module left (its pid is in their name)."""
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = re.fullmatch(r"bb(?:node|br)(\d+)(?:-\d+)?", name)
+        if match and not pid_alive(int(match[1])):
+            remove_namespace(name)
+
+
+def remove_namespace(name):
+    """Kills what still runs in namespace `name`, deletes it and its hosts file."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT).stdout
+    for pid in pids.split():
+        with_signal(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+    shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
+def with_signal(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    index: int
+    namespace: str
+    hostname: str
+    address: str
+    port: str  # the bridge's end of the node's link
+
+
+class EmulatedCluster:
+    """A context manager: `with EmulatedCluster(2, rate="1gbit") as cluster: cluster.run(...)`."""
+
+    def __init__(self, nodes, rate=None, loopback_hostname=False):
+        if not 1 <= nodes <= 200:
+            raise ValueError(f"nodes must be 1 to 200 (one /24 of addresses), got {nodes}")
+        self.rate_bits = parse_rate(rate) if rate else None
+        self.rate = rate
+        self.loopback_hostname = loopback_hostname
+        tag = os.getpid()
+        self.bridge = f"bbbr{tag}"
+        self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i}", f"{SUBNET}.{i + 1}", f"p{i}")
+                      for i in range(nodes)]
+        self.processes = []
+        self._created = []
+        self._previous_handlers = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous_handlers[signum] = signal.signal(signum, self._interrupted)
+        try:
+            remove_stale_namespaces()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _interrupted(self, signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # unwinds to close()
+
+    def _build(self):
+        sh("ip", "netns", "add", self.bridge)
+        self._created.append(self.bridge)
+        sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
+        for node in self.nodes:
+            sh("ip", "netns", "add", node.namespace)
+            self._created.append(node.namespace)
+            self._write_hosts(node)
+            # Created in the bridge's namespace, its peer born in the node's: never on the host.
+            sh("ip", "-n", self.bridge, "link", "add", node.port, "type", "veth", "peer", "name",
+               "eth0", "netns", node.namespace)
+            sh("ip", "-n", self.bridge, "link", "set", node.port, "master", "br0", "up")
+            sh("ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", "eth0")
+            sh("ip", "-n", node.namespace, "link", "set", "eth0", "up")
+            sh("ip", "-n", node.namespace, "link", "set", "lo", "up")
+            if self.rate_bits:  # the node's sending side, and its receiving side (the port's)
+                self._limit(node.namespace, "eth0")
+                self._limit(self.bridge, node.port)
+
+    def _limit(self, namespace, device):
+        # tbf needs a bucket of at least one timer tick's bytes (4 ms of traffic is ample), and
+        # one above the veth's 64 KiB GSO packets, which it would otherwise cut into MTU-sized
+        # ones: their headers would then count at low rates and not at high ones.
+        burst = max(int(self.rate_bits / 8 * 0.004), 128 << 10)
+        sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
+           "rate", self.rate, "burst", str(burst), "latency", "50ms")
+
+    def _write_hosts(self, node):
+        lines = ["127.0.0.1 localhost"]
+        if self.loopback_hostname:
+            lines.append(f"127.0.1.1 {node.hostname}")
+        lines += [f"{other.address} {other.hostname}" for other in self.nodes]
+        os.makedirs(f"/etc/netns/{node.namespace}", exist_ok=True)
+        with open(f"/etc/netns/{node.namespace}/hosts", "w") as file:
+            file.write("\n".join(lines) + "\n")
+
+    def close(self):
+        """Ends every process in the nodes (SIGTERM, then SIGKILL after 5 s), deletes the
+        namespaces and hosts files. Safe to call twice."""
+        for process in self.processes:
+            if process.poll() is None:
+                with_signal(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # killed with the rest of its namespace below
+        for name in reversed(self._created):  # SIGKILLs whatever still runs in them
+            remove_namespace(name)
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
+        self.processes.clear()
+        self._created.clear()
+        with contextlib.suppress(OSError):  # /etc/netns, made by _write_hosts, when empty
+            os.rmdir("/etc/netns")
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def command(self, node, argv):
+        """argv as run in `node`: its network namespace, its hostname."""
+        return ["ip", "netns", "exec", node.namespace, "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', node.hostname, *argv]
+
+    def start(self, node, argv, log_path, env=None):
+        """Starts argv in `node` with stdout and stderr to log_path; close() ends it."""
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(self.command(node, argv), stdout=log,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def run(self, argv_of_node, timeout, env=None):
+        """Runs argv_of_node(node) in every node at once; returns [(returncode, output)] by
+        node. Past `timeout` seconds the processes are ended and TimeoutError names the nodes
+        still running, with every node's output."""
+        with tempfile.TemporaryDirectory() as folder:
+            logs = [os.path.join(folder, f"{node.hostname}.log") for node in self.nodes]
+            processes = [self.start(node, argv_of_node(node), log, env)
+                         for node, log in zip(self.nodes, logs)]
+            deadline = time.monotonic() + timeout
+            for process in processes:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            late = [node.hostname for node, process in zip(self.nodes, processes)
+                    if process.poll() is None]
+            for process in processes:  # nothing outlives run(), late or not
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=5)
+            outputs = [read_text(log) for log in logs]
+        if late:
+            raise TimeoutError(f"{late} still running after {timeout} s\n"
+                               + format_outputs(self.nodes, outputs))
+        return [(process.returncode, output) for process, output in zip(processes, outputs)]
+
+    def set_link(self, node, up):
+        """Takes the node's link down or up at the bridge (as a switch port or a cable would):
+        the node keeps its address and routes, and its packets go nowhere."""
+        sh("ip", "-n", self.bridge, "link", "set", node.port, "up" if up else "down")
+
+    def link_bytes(self, node):
+        """(sent, received) bytes of the node's eth0 so far."""
+        [link] = json.loads(sh("ip", "-n", node.namespace, "-s", "-j", "link", "show", "eth0"))
+        return link["stats64"]["tx"]["bytes"], link["stats64"]["rx"]["bytes"]
+
+    def torchrun(self, node, script_args, nproc_per_node, run_id="bbcluster", port=RDZV_PORT,
+                 max_restarts=0):
+        """The torchrun line of `node`: a c10d rendezvous hosted at node 0's name."""
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.nodes)),
+                "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{self.nodes[0].hostname}:{port}", "--rdzv-id", run_id,
+                "--max-restarts", str(max_restarts), *script_args]
+
+
+def read_text(path):
+    with open(path, errors="replace") as file:
+        return file.read()
+
+
+def format_outputs(nodes, outputs):
+    return "\n".join(f"--- {node.hostname} ({node.address}) ---\n{output}"
+                     for node, output in zip(nodes, outputs))
+
+
+def unsupported_reason():
+    """Why this machine cannot emulate a cluster (None when it can)."""
+    if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "emulating a cluster needs root (network namespaces)"
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            return f"emulating a cluster needs the {tool!r} command (iproute2, util-linux)"
+    try:
+        with EmulatedCluster(1, rate="1gbit") as cluster:
+            cluster.run(lambda node: ["true"], timeout=30)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        return f"this machine cannot make network namespaces, veth links and tbf: {error}"
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--rate", help='each node\'s link rate, e.g. "1gbit" (default: none)')
+    parser.add_argument("--loopback-hostname", action="store_true",
+                        help="each node's name resolves to 127.0.1.1 on itself (Debian's hosts)")
+    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
+    parser.add_argument("script", help="the training script and its arguments")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("emulating a cluster needs root (network namespaces)")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with EmulatedCluster(args.nodes, rate=args.rate,
+                         loopback_hostname=args.loopback_hostname) as cluster:
+        results = cluster.run(lambda node: cluster.torchrun(
+            node, [args.script, *args.script_args], args.nproc_per_node,
+            max_restarts=args.max_restarts), timeout=args.timeout, env=env)
+    print(format_outputs(cluster.nodes, [output for _, output in results]))
+    sys.exit(max(abs(code) for code, _ in results))
+
+
+if __name__ == "__main__":
+    main()

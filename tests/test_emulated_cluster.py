@@ -1,0 +1,222 @@
+"""The torus across emulated nodes (benchmarks/emulated_cluster.py: network namespaces on a
+bridge, torchrun with a c10d rendezvous in each): rows are nodes and the training job ends as on
+one host; a link that goes down fails every rank within the collective timeout, naming the torus
+phase, and a restart resumes to the parameters of an uninterrupted run; Gloo finds the node's
+address where its name resolves to a loopback one; the columns' bytes cross the links as the
+torus promises. These need root and network namespaces, and skip (saying why) without them."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from multiprocess import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_cluster  # noqa: E402
+from emulated_cluster import (EmulatedCluster, format_outputs, read_text,  # noqa: E402
+                              unsupported_reason)
+
+pytestmark = pytest.mark.slow
+SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
+TIMEOUT = 10  # the job's collective timeout, seconds
+# 4 ranks x 32 = 128 per step: 8 steps, a checkpoint every 2.
+JOB = [SCRIPT, "--dataset", "synthetic", "--synthetic-size", "1024", "--batch-per-rank", "32",
+       "--epochs", "1", "--checkpoint-every", "2", "--print-every", "1",
+       "--timeout", str(TIMEOUT)]
+STEPS = 8
+# A short job, for what only has to start and take a step.
+SHORT_JOB = [*JOB[:4], "256", *JOB[5:]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_support():
+    reason = unsupported_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def job_env(**extra):
+    """This checkout's package in every process (not an installed copy), one thread each."""
+    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_on_cluster(cluster, args, env=None, timeout=240):
+    return cluster.run(lambda node: cluster.torchrun(node, args, 2), timeout=timeout,
+                       env=env or job_env())
+
+
+def assert_succeeded(cluster, results):
+    assert all(code == 0 for code, _ in results), format_outputs(
+        cluster.nodes, [output[-4000:] for _, output in results])
+
+
+def run_on_one_host(args, env, timeout=240):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def parameters(output):
+    return torch.load(os.path.join(output, "checkpoint.pt"), weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The job on 2 emulated nodes x 2 processes over "torus", uninterrupted: its output."""
+    output = str(tmp_path_factory.mktemp("cluster") / "straight")
+    with EmulatedCluster(2) as cluster:
+        results = run_on_cluster(cluster, [*JOB, "--output", output])
+    assert_succeeded(cluster, results)
+    assert "backend torus" in results[0][1] and "finished after epoch 1" in results[0][1]
+    return output
+
+
+def test_teardown_removes_namespaces_and_processes(tmp_path):
+    """An exception inside the cluster ends its processes and removes everything it made."""
+    with pytest.raises(ZeroDivisionError):
+        with EmulatedCluster(2, rate="100mbit") as cluster:
+            sleeper = cluster.start(cluster.nodes[1], ["sleep", "600"], tmp_path / "sleep.log")
+            names = [node.namespace for node in cluster.nodes] + [cluster.bridge]
+            assert set(names) <= set(namespaces())
+            1 / 0
+    assert sleeper.poll() is not None
+    assert not set(names) & set(namespaces())
+    assert not any(os.path.exists(f"/etc/netns/{name}") for name in names)
+
+
+def test_sigterm_tears_the_cluster_down(tmp_path):
+    """A driver ended by SIGTERM still removes its namespaces."""
+    ready = tmp_path / "ready"
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
+        from emulated_cluster import EmulatedCluster
+        with EmulatedCluster(2):
+            open({str(ready)!r}, "w").close()
+            time.sleep(120)
+        """)])
+    prefix = f"bbnode{driver.pid}-"
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), "the cluster was not built within 60 s"
+        assert any(name.startswith(prefix) for name in namespaces())
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert not any(name.startswith((prefix, f"bbbr{driver.pid}")) for name in namespaces())
+
+
+def namespaces():
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return [line.split()[0] for line in listing.stdout.splitlines() if line.strip()]
+
+
+def test_rows_are_nodes_and_columns_cross_the_links():
+    """bench_cluster on 2 nodes x 2 with 200 Mbit/s links: the torus is 2x2 with a node per
+    row; per 1 MiB allreduce each node sends about 2(Y-1)/Y = 1 buffer over its link with the
+    torus and 2(p-1)/p = 1.5 with Gloo's ring, no faster than the link's rate."""
+    args = bench_cluster.get_args_parser().parse_args(
+        ["--sizes", "1M", "--iters", "4", "--rounds", "1", "--timeout", "240"])
+    result = bench_cluster.measure(2, 2, "200mbit", args)
+    assert result["shape"] == [2, 2]
+    assert result["hosts"] == ["node0", "node0", "node1", "node1"]
+    rows = {row["algorithm"]: row for row in result["rows"]}
+    for algorithm, expected in (("torus", 1.0), ("gloo", 1.5)):
+        row = rows[algorithm]
+        assert set(row["sent_per_node"]) == {"node0", "node1"}
+        for node, sent in row["sent_per_node"].items():
+            # Headers, the barrier and the rendezvous's heartbeats add under 1% here.
+            assert expected <= sent / row["bytes"] <= expected * 1.03, (algorithm, node, sent)
+        link_ms = max(row["sent_per_node"].values()) * 8 / 200e6 * 1e3
+        assert row["ms"] >= 0.9 * link_ms, (algorithm, row["ms"], link_ms)
+
+
+def test_two_nodes_end_as_one_host(straight_run, tmp_path):
+    """The torus across 2 nodes ends bit for bit as on one host with TORCH_BIGBATCH_TORUS=2x2
+    (the same phases over the same ranks), and as Gloo's ring up to rounding."""
+    host_torus, host_gloo = str(tmp_path / "torus"), str(tmp_path / "gloo")
+    run_on_one_host([*JOB, "--output", host_torus], job_env(TORCH_BIGBATCH_TORUS="2x2"))
+    run_on_one_host([*JOB, "--output", host_gloo, "--backend", "gloo"], job_env())
+    cluster, torus, gloo = parameters(straight_run), parameters(host_torus), parameters(host_gloo)
+    assert cluster.keys() == torus.keys() == gloo.keys()
+    for key in cluster:
+        assert torch.equal(cluster[key], torus[key]), key
+        torch.testing.assert_close(cluster[key], gloo[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_link_fault_fails_within_the_timeout_and_a_restart_resumes(straight_run, tmp_path):
+    """Node 1's link goes down after step 3: every rank fails within the collective timeout,
+    naming the torus's column phase and its ranks; with the link back, torchrun --max-restarts
+    resumes from the last checkpoint and ends where the uninterrupted run does.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's c10d rendezvous otherwise keeps one store
+    across restarts, whose keys of the failed attempt send Gloo to dead ports (pytorch#135712)."""
+    output = str(tmp_path / "faulty")
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with EmulatedCluster(2) as cluster:
+        logs = [str(tmp_path / f"{node.hostname}.log") for node in cluster.nodes]
+        processes = [cluster.start(node, cluster.torchrun(node, [*JOB, "--output", output], 2,
+                                                          max_restarts=1), log, env)
+                     for node, log in zip(cluster.nodes, logs)]
+        wait_for(lambda: f"step 3/{STEPS}" in read_text(logs[0]), 120, logs, cluster)
+        cluster.set_link(cluster.nodes[1], up=False)
+        down = time.monotonic()
+        failed = re.compile(rf"torus allreduce timed out after {TIMEOUT * 1000} ms: rank (\d) "
+                            r"at x=\d, y=\d of a 2x2 torus waits for the allreduce along column "
+                            r"(?:0 \(ranks 0, 2\)|1 \(ranks 1, 3\))")
+
+        def every_rank_failed():  # node 0 holds ranks 0 and 1, node 1 ranks 2 and 3
+            return [set(failed.findall(read_text(log))) for log in logs] == [{"0", "1"},
+                                                                            {"2", "3"}]
+        wait_for(every_rank_failed, TIMEOUT + 20, logs, cluster)
+        seconds = time.monotonic() - down
+        cluster.set_link(cluster.nodes[1], up=True)
+        for process in processes:
+            process.wait(timeout=240)
+        outputs = [read_text(log) for log in logs]
+    assert seconds < TIMEOUT + 10, f"failed {seconds:.1f} s after the link went down"
+    assert [process.returncode for process in processes] == [0, 0], format_outputs(
+        cluster.nodes, [text[-4000:] for text in outputs])
+    resumed = re.search(r"resumed at epoch 1 step (\d+)", outputs[0])
+    assert resumed and 0 < int(resumed[1]) < STEPS, outputs[0][-3000:]
+    assert "finished after epoch 1" in outputs[0]
+    faulty, straight = parameters(output), parameters(straight_run)
+    for key in straight:
+        assert torch.equal(faulty[key], straight[key]), key
+
+
+def wait_for(condition, seconds, logs, cluster):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s:\n" + format_outputs(
+            cluster.nodes, [read_text(log)[-3000:] for log in logs])
+        time.sleep(0.05)
+
+
+def test_gloo_finds_the_node_address_where_its_name_is_loopback(tmp_path):
+    """Each node's name resolves to 127.0.1.1 on itself (Debian's /etc/hosts), the address
+    torch's default Gloo device binds: the torus still trains with nothing set. A wrong
+    GLOO_SOCKET_IFNAME (the loopback) is obeyed and the failure says what to set."""
+    with EmulatedCluster(2, loopback_hostname=True) as cluster:
+        results = run_on_cluster(cluster, [*SHORT_JOB, "--output", str(tmp_path / "a")])
+        assert_succeeded(cluster, results)
+        assert "finished after epoch 1" in results[0][1]
+        results = run_on_cluster(cluster, [*SHORT_JOB, "--output", str(tmp_path / "b")],
+                                 env=job_env(GLOO_SOCKET_IFNAME="lo"))
+    assert all(code != 0 for code, _ in results)
+    # The node whose workers fail first ends the rendezvous; the other's may not get to print.
+    message = ("The torus's Gloo group bound interface lo. If the ranks cannot reach each other "
+               "there, set GLOO_SOCKET_IFNAME to the interface of the network the nodes share")
+    assert any(message in output for _, output in results), format_outputs(
+        cluster.nodes, [output[-3000:] for _, output in results])
