@@ -32,25 +32,29 @@ import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
 from bench_allreduce import DEFAULT_SIZES, label, parse_size, time_round
 from common import write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
-from torch_bigbatch.distributed import TorusOptions, torus_shape
+from torch_bigbatch.distributed import TorusOptions, torus_algorithm, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
 
 # name: the group it runs on (built under torchrun) and the cost model's name for it.
-ALGORITHMS = {
-    "torus": (lambda: dist.new_group(backend="torus", pg_options=TorusOptions()), "torus"),
+ALGORITHMS = {  # name: (its group, the cost model's algorithm for what it runs)
+    "torus": (lambda: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm="torus")),
+              "torus"),
+    "auto": (lambda: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm="auto")),
+             None),  # per size: torus_algorithm()
     "gloo": (lambda: dist.new_group(backend="gloo"), "ring"),
 }
+MODEL_OF_RUN = {"torus": "torus", "flat": "ring", "gloo": "ring"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "BENCH_CLUSTER_RESULT "
-CSV_FIELDS = ["nodes", "nproc_per_node", "rate", "shape", "bytes", "algorithm", "ms", "model_ms",
-              "sent_bytes_per_node", "sent_per_buffer", "expected_per_buffer"]
+CSV_FIELDS = ["nodes", "nproc_per_node", "rate", "shape", "bytes", "algorithm", "runs", "ms",
+              "model_ms", "sent_bytes_per_node", "sent_per_buffer", "expected_per_buffer"]
 
 
 def expected_per_buffer(algorithm, nodes, ranks):
     """The share of the buffer each node sends per allreduce: the torus's columns carry
     2(Y-1)/Y of it (every node's X columns a 1/X slice each), a flat ring 2(p-1)/p (one hop
     per node leaves it, as the ranks of a node are contiguous)."""
-    if algorithm == "gloo":
+    if algorithm in ("gloo", "flat"):
         return 2 * (ranks - 1) / ranks
     return 2 * (nodes - 1) / nodes
 
@@ -99,7 +103,8 @@ def worker(args):
                                  args.interface)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, sent if leader else None)
-            rows.append({"bytes": nbytes, "algorithm": name,
+            runs = "gloo" if name == "gloo" else torus_algorithm(nbytes, group)
+            rows.append({"bytes": nbytes, "algorithm": name, "runs": runs,
                          "ms": statistics.median(seconds[name]) * 1e3,
                          "sent_per_node": {hosts[r]: per_rank[r] for r in range(world)
                                            if per_rank[r] is not None}})
@@ -150,15 +155,16 @@ def table_rows(result, nodes, nproc_per_node, rate, hardware):
     ranks = nodes * nproc_per_node
     rows = []
     for row in result["rows"]:
-        nbytes, algorithm = row["bytes"], row["algorithm"]
+        nbytes, algorithm, runs = row["bytes"], row["algorithm"], row["runs"]
         sent = statistics.mean(row["sent_per_node"].values())
-        model = allreduce_time(ALGORITHMS[algorithm][1], hardware, ranks, nbytes) * 1e3 \
+        model = allreduce_time(MODEL_OF_RUN[runs], hardware, ranks, nbytes) * 1e3 \
             if hardware else None
         rows.append({"nodes": nodes, "nproc_per_node": nproc_per_node, "rate": rate or "none",
                      "shape": "x".join(map(str, result["shape"])), "bytes": nbytes,
                      "algorithm": algorithm, "ms": row["ms"], "model_ms": model,
                      "sent_bytes_per_node": sent, "sent_per_buffer": sent / nbytes,
-                     "expected_per_buffer": expected_per_buffer(algorithm, nodes, ranks)})
+                     "runs": runs,
+                     "expected_per_buffer": expected_per_buffer(runs, nodes, ranks)})
     return rows
 
 

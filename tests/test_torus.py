@@ -394,7 +394,8 @@ def test_the_algorithm_each_size_takes_is_visible_and_can_be_forced():
         "auto small": "torus", "auto large": "flat", "cuda": "flat", "torus": "torus",
         "flat": "flat", "limit": ("torus", "flat")}
     assert auto_torus_max_bytes(1, 1) == 0 and auto_torus_max_bytes(4, 4, "cuda") == 0
-    assert 0 < auto_torus_max_bytes(2, 2) < auto_torus_max_bytes(4, 4)
+    assert 0 < auto_torus_max_bytes(2, 2) < auto_torus_max_bytes(2, 4) < auto_torus_max_bytes(4, 4)
+    assert auto_torus_max_bytes(2, 2, hosts=2) > 1 << 62  # across machines: every buffer
 
 
 def size_mismatch_in_detail_mode(rank, world_size, port):

@@ -194,12 +194,6 @@ void finish(const ContextPtr& context, const SegmentPtr& segment);
 // other, both sum): the bytes of a reduce-scatter plus an allgather, in one step instead of two.
 bool one_shot_column(const TorusShape& shape) { return shape.rows == 2; }
 
-// Buffers up to this size take two exchanges instead of up to four: each row member sends its
-// whole buffer to every other and sums what it receives, then each column member its row's sum.
-// A rank sends X - 1 + Y - 1 times the buffer, against about 2 times, so only where a step
-// costs more than the bytes (measured: README, "The torus backend").
-constexpr int64_t kOneShotBytes = 256 << 10;
-
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 

@@ -32,6 +32,12 @@
 
 namespace torch_bigbatch::torus {
 
+// Buffers up to this size take two exchanges instead of up to four: each row member sends its
+// whole buffer to every other and sums what it receives, then each column member its row's sum.
+// A rank sends X - 1 + Y - 1 times the buffer, against about 2 times, so only where a step
+// costs more than the bytes (measured: README, "The torus backend").
+constexpr int64_t kOneShotBytes = 256 << 10;
+
 class HostPipeline {
  public:
   HostPipeline(TorusShape shape, Engines engines, int64_t segment_bytes);

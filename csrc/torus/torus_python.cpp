@@ -16,6 +16,8 @@ namespace py = pybind11;
 void bind_torus(py::module& m) {
   py::module::import("torch.distributed");  // registers the Backend base class
 
+  m.attr("TORUS_ONE_SHOT_BYTES") = kOneShotBytes;
+
   py::class_<Engines>(m, "TorusEngines",
                       "The process groups of one device type that the torus composes.")
       .def(py::init([](c10::intrusive_ptr<c10d::Backend> whole,

@@ -22,9 +22,11 @@ from .. import _C
 from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
+ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
 
 
 ALGORITHMS = ("auto", "torus", "flat")
+ONE_SHOT_BYTES = _C.TORUS_ONE_SHOT_BYTES  # small buffers: two exchanges (host_pipeline.h)
 AUTO_BYTES_PER_STEP = 64 << 10  # see auto_torus_max_bytes
 _NO_LIMIT = 2**63 - 1
 
@@ -37,8 +39,9 @@ class TorusOptions:
         TORCH_BIGBATCH_TORUS environment variable for groups of the world's size, else X =
         LOCAL_WORLD_SIZE when it divides the group size, else the factorization nearest a square.
     algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
-        group (Gloo's or NCCL's own); "auto" (default): the torus for buffers of at most
-        torus_max_bytes, the flat allreduce above (see auto_torus_max_bytes).
+        group (Gloo's or NCCL's own); "auto": the torus for buffers of at most torus_max_bytes,
+        the flat allreduce above (see auto_torus_max_bytes). None (default): the
+        TORCH_BIGBATCH_TORUS_ALGORITHM environment variable, else "auto".
     torus_max_bytes: with "auto", the largest buffer the torus takes; None: per device type, the
         limit auto_torus_max_bytes gives for the shape.
     segment_bytes: large buffers are cut into segments of this size, and the phases of
@@ -46,11 +49,13 @@ class TorusOptions:
     """
 
     shape: tuple[int, int] | str | None = None
-    algorithm: str = "auto"
+    algorithm: str | None = None
     torus_max_bytes: int | None = None
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
 
     def __post_init__(self):
+        if self.algorithm is None:
+            self.algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got "
                              f"{self.algorithm!r}")
@@ -92,33 +97,39 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
     return columns, size // columns
 
 
-def auto_torus_max_bytes(columns, rows, device="cpu"):
+def auto_torus_max_bytes(columns, rows, device="cpu", hosts=1):
     """The largest buffer that algorithm "auto" sends through the torus on a torus of `columns`
-    x `rows` ranks; larger ones take the whole group's allreduce.
+    x `rows` ranks on `hosts` machines; larger ones take the whole group's allreduce.
 
-    CPU (Gloo): each torus phase is one direct exchange with every peer of a row or column, so a
-    torus allreduce takes 4 steps (2 with one row) where Gloo's ring takes 2(p - 1), but it
-    also copies each buffer about three times more. The limit grows with the steps saved, at
-    AUTO_BYTES_PER_STEP per step, a constant measured with benchmarks/bench_allreduce.py on
-    loopback (README, "The torus backend"). CUDA (NCCL): 0, the flat allreduce always: NCCL's
-    rings and trees beat the torus in the cost model from 16 GPUs up (cost_model), and no GPU
-    measurement says otherwise yet.
+    CPU (Gloo), ranks on several machines: every buffer. The torus sends 2(Y-1)/Y of a buffer
+    over each node's link where Gloo's ring sends 2(p-1)/p, and the links set the pace
+    (measured on emulated nodes: README, "Running on several machines").
+    CPU, one machine: the ranks share its cores, so bytes cost as much as steps. The torus takes
+    one step along each of its row and column (a direct exchange with every peer: Gloo's
+    alltoall) where the ring takes 2(p - 1): small buffers (up to ONE_SHOT_BYTES, sent whole to
+    every peer) always win; above, the torus's 2 to 4 steps win while the buffer is under
+    AUTO_BYTES_PER_STEP per ring step saved (measured with benchmarks/bench_allreduce.py:
+    README, "The torus backend").
+    CUDA (NCCL): 0, NCCL's own allreduce always: its rings and trees beat the torus in the cost
+    model from 16 GPUs up, and no GPU measurement says otherwise yet.
     """
     ranks = columns * rows
     if device != "cpu" or ranks == 1:
         return 0
-    steps_saved = 2 * (ranks - 1) - (2 if rows == 1 else 4)
-    return max(0, steps_saved) * AUTO_BYTES_PER_STEP
+    if hosts > 1:
+        return _NO_LIMIT
+    phases = 2 if rows == 1 else 3 if rows == 2 else 4
+    return max(ONE_SHOT_BYTES, (2 * (ranks - 1) - phases) * AUTO_BYTES_PER_STEP)
 
 
-def _torus_max_bytes(options, columns, rows, device):
+def _torus_max_bytes(options, columns, rows, device, hosts):
     if options.algorithm == "torus":
         return _NO_LIMIT
     if options.algorithm == "flat":
         return -1
     if options.torus_max_bytes is not None:
         return options.torus_max_bytes
-    return auto_torus_max_bytes(columns, rows, device)
+    return auto_torus_max_bytes(columns, rows, device, hosts)
 
 
 def _route_source(host):
@@ -201,28 +212,31 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
 
 
 def _agree_on_shape(store, rank, size, resolve):
-    """The shape from `resolve()`, checked against every rank's: ranks that disagree (say,
-    TORCH_BIGBATCH_TORUS or LOCAL_WORLD_SIZE set differently) all fail at once with a message
-    that names the shapes, instead of at the first collective's timeout."""
+    """(shape, hosts): the shape from `resolve()`, checked against every rank's, and the number
+    of machines the ranks run on. Ranks that disagree on the shape (say, TORCH_BIGBATCH_TORUS or
+    LOCAL_WORLD_SIZE set differently) all fail at once with a message that names the shapes,
+    instead of at the first collective's timeout."""
     try:
         shape, problem = resolve(), None
     except ValueError as error:
         shape, problem = None, error
-    store.set(f"shape/{rank}", "x".join(map(str, shape)) if shape else f"none ({problem})")
+    spec = "x".join(map(str, shape)) if shape else f"none ({problem})"
+    store.set(f"shape/{rank}", f"{spec} {socket.gethostname()}")
     if rank == 0:
-        shapes = [store.get(f"shape/{other}").decode() for other in range(size)]
+        shapes, hosts = zip(*(store.get(f"shape/{other}").decode().rsplit(" ", 1)
+                              for other in range(size)))
         differing = [f"rank {other} {spec}" for other, spec in enumerate(shapes)
                      if spec != shapes[0]]
         store.set("shape/verdict", "; ".join([f"rank 0 {shapes[0]}"] + differing)
-                  if differing else "agreed")
+                  if differing else f"agreed {len(set(hosts))}")
     verdict = store.get("shape/verdict").decode()
     if problem is not None:
         raise problem
-    if verdict != "agreed":
+    if not verdict.startswith("agreed"):
         raise ValueError(f"the ranks of a torus group disagree on its shape ({verdict}): set "
                          "TORCH_BIGBATCH_TORUS, TorusOptions.shape or LOCAL_WORLD_SIZE alike "
                          "on every rank")
-    return shape
+    return shape, int(verdict.split()[1])
 
 
 def create_torus_backend(backend_options, pg_options=None):
@@ -238,16 +252,16 @@ def create_torus_backend(backend_options, pg_options=None):
     # keys would send Gloo to dead ports, so every attempt has keys of its own.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
-    columns, rows = _agree_on_shape(store, rank, size,
-                                    lambda: resolve_shape(size, options.shape, world))
+    (columns, rows), hosts = _agree_on_shape(store, rank, size,
+                                             lambda: resolve_shape(size, options.shape, world))
     cpu = _engines(_gloo_group, store, "cpu", rank, columns, rows, timeout, column_gather=True)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                         column_gather=False)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, options.segment_bytes,
-                           _torus_max_bytes(options, columns, rows, "cpu"),
-                           _torus_max_bytes(options, columns, rows, "cuda"), timeout)
+                           _torus_max_bytes(options, columns, rows, "cpu", hosts),
+                           _torus_max_bytes(options, columns, rows, "cuda", hosts), timeout)
 
 
 def _torus_backend(group):
