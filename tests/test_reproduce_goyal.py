@@ -93,6 +93,7 @@ def read(path):
         return list(csv.DictReader(file))
 
 
+@pytest.mark.slow
 def test_small_run_resumes_to_the_same_numbers(tmp_path):
     straight = run(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr

@@ -114,6 +114,7 @@ def allreduce_matches_gloo(rank, world_size, port, shape):
 
 @pytest.mark.parametrize("shape", [(1, 4), (4, 1), (2, 2), (2, 3), (3, 2), (2, 4)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.slow
 def test_allreduce_equals_gloo(shape):
     checked = run_ranks(allreduce_matches_gloo, shape[0] * shape[1], shape, deadline=300)
     assert checked[0] == 3 * 3 * (4 * 5 - 1)
@@ -149,6 +150,7 @@ def collectives_and_subgroups(rank, world_size, port):
     return dist.get_backend()
 
 
+@pytest.mark.slow
 def test_collectives_and_subgroups():
     assert run_ranks(collectives_and_subgroups, 4) == ["torus"] * 4
 
@@ -200,6 +202,7 @@ def ddp_training(rank, world_size, port):
     return result
 
 
+@pytest.mark.slow
 def test_ddp_matches_gloo_and_one_process():
     results = run_ranks(ddp_training, 4)
     torch.manual_seed(0)
@@ -241,6 +244,7 @@ def killed_rank(rank, world_size, port, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["torus", "flat"])
+@pytest.mark.slow
 def test_killed_rank_ends_in_errors_within_timeout(algorithm):
     """Every surviving rank raises within the timeout, with the phase and its ranks named."""
     outcomes = run_ranks(killed_rank, 4, algorithm, deadline=60, allow_missing=(3,))
@@ -252,6 +256,7 @@ def test_killed_rank_ends_in_errors_within_timeout(algorithm):
         assert "torus allreduce failed" in message and any(w in message for w in where), message
 
 
+@pytest.mark.slow
 def test_size_mismatch_ends_every_rank_within_timeout():
     """Gloo's transport aborts a process that receives more bytes than it posted (plain Gloo
     does the same): such ranks exit with SIGABRT; every other rank raises an error that names
@@ -294,6 +299,7 @@ def differing_calls(rank, world_size, port, shape, mine, theirs):
     ((torch.int32, 8), (torch.float32, 8)),  # the same bytes, another dtype
     ((torch.int32, 100_000), (torch.float32, 100_000)),  # past the two-exchange size
 ], ids=["3_vs_4", "int32_vs_float32", "large_int32_vs_float32"])
+@pytest.mark.slow
 def test_ranks_that_pass_different_buffers_all_fail(shape, mine, theirs):
     """Where the bytes exchanged match, every rank raises, naming the difference (plain Gloo
     returns [4, 4, 4, 3] for 3 against 4 elements); none returns a result, and later allreduces
@@ -331,6 +337,7 @@ def bool_and_integer_ops(rank, world_size, port, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["torus", "flat"])
+@pytest.mark.slow
 def test_bool_tensors_as_gloo_and_integer_average_refused(algorithm):
     for results in run_ranks(bool_and_integer_ops, 4, algorithm):
         for op, (mine, expected) in ((op, v) for op, v in results.items() if op != "AVG int64"):
@@ -351,6 +358,7 @@ def world_of_one(rank, world_size, port):
     return messages, numbers.tolist()
 
 
+@pytest.mark.slow
 def test_integer_average_on_one_rank_is_an_error_not_an_abort():
     """Once, a one-rank group divided integers in a Gloo callback and aborted the process."""
     messages, numbers = run_ranks(world_of_one, 1)[0]
@@ -366,6 +374,7 @@ def shapes_from_the_environment(rank, world_size, port):
         return str(error)
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_on_the_shape_all_fail_at_once():
     start = time.monotonic()
     for message in run_ranks(shapes_from_the_environment, 4, deadline=60):
@@ -389,6 +398,7 @@ def algorithm_choice(rank, world_size, port):
                       torus_algorithm(1001, groups["limit"]))}
 
 
+@pytest.mark.slow
 def test_the_algorithm_each_size_takes_is_visible_and_can_be_forced():
     assert run_ranks(algorithm_choice, 4)[0] == {
         "auto small": "torus", "auto large": "flat", "cuda": "flat", "torus": "torus",
@@ -409,6 +419,7 @@ def size_mismatch_in_detail_mode(rank, world_size, port):
         return str(error)
 
 
+@pytest.mark.slow
 def test_size_mismatch_under_distributed_debug_detail_fails_every_rank_before_any_data():
     """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the torus as torch wraps its own backends: the ranks
     compare their calls first, so none aborts and each says what differs."""
@@ -424,6 +435,7 @@ def shape_mismatch(rank, world_size, port):
         return str(error)
 
 
+@pytest.mark.slow
 def test_shape_that_does_not_match_is_a_value_error():
     for message in run_ranks(shape_mismatch, 2):
         assert "3x3" in message and "group size 2" in message, message
@@ -471,6 +483,7 @@ def cuda_world_of_one(rank, world_size, port):
 
 @CUDA
 @needs_cuda
+@pytest.mark.slow
 def test_cuda_and_cpu_tensors_at_world_size_one():
     """One GPU: NCCL runs one rank, so this is the CUDA test a one-GPU machine can run."""
     on_gpu, on_cpu = run_ranks(cuda_world_of_one, 1)[0]

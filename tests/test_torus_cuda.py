@@ -91,6 +91,7 @@ def allreduce_on_gpus(rank, world_size, port, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.slow
 def test_allreduce_matches_closed_form(shape):
     checked = run_ranks(allreduce_on_gpus, shape[0] * shape[1], shape, deadline=300)
     assert checked[0] == 3 * 4 * 3 - 3
@@ -109,6 +110,7 @@ def ddp_on_gpus(rank, world_size, port, shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.slow
 def test_ddp_matches_one_process(shape):
     results = run_ranks(ddp_on_gpus, shape[0] * shape[1], shape, deadline=300)
     torch.manual_seed(0)
@@ -153,6 +155,7 @@ def late_peer(rank, world_size, port):
 
 @CUDA
 @needs_gpus(2)
+@pytest.mark.slow
 def test_late_peer_fails_named_and_refuses_later_allreduces():
     outcome = run_ranks(late_peer, 2, deadline=120)[0]
     phase, where = "reduce-scatter along row 0 (ranks 0, 1)", "rank 0 at x=0, y=0 of a 2x1 torus"

@@ -1,0 +1,93 @@
+"""End to end: the training job's images per second with --backend torus against --backend gloo.
+
+Each case runs examples/train_resnet50.py under torchrun on this machine (OMP_NUM_THREADS=1, as
+`make demo`), the two backends taking turns over --rounds, and stops it after a number of
+steps. The rate is the steady one between the first progress line and the last (the first
+steps pay for connections and allocations), read from rank 0's progress lines; the table gives
+the median over rounds and torus / gloo. Cases:
+
+    demo       `make demo`'s job: goyal2017, resnet_small on Fashion-MNIST, 64 images per rank
+    resnet50   ResNet-50 (25.6 M parameters: a 102 MB gradient, in DDP's default 25 MiB
+               buckets) on synthetic 28x28 images, 8 per rank
+
+    python benchmarks/bench_ddp.py --cases demo --nprocs 4 8
+    python benchmarks/bench_ddp.py --cases resnet50 --nprocs 8 --csv ddp.csv
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from common import write_csv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = {  # job arguments, steps, steps between progress lines
+    "demo": (["--recipe", "goyal2017", "--dataset", "fashion-mnist", "--epochs", "5",
+              "--batch-per-rank", "64"], 60, 10),
+    "resnet50": (["--recipe", "goyal2017", "--dataset", "synthetic", "--model", "resnet50",
+                  "--synthetic-size", "2048", "--epochs", "1", "--batch-per-rank", "8"], 20, 5),
+}
+PROGRESS = re.compile(r"step (\d+)/\d+ .* batch (\d+) (\d+) img/s")
+CSV_FIELDS = ["case", "processes", "backend", "images_per_second", "torus_over_gloo"]
+
+
+def steady_rate(output):
+    """Images per second between the first and the last progress line. Each line gives the
+    epoch's rate so far, so the time at a line is step * batch / rate."""
+    lines = [tuple(map(int, match)) for match in PROGRESS.findall(output)]
+    if len(lines) < 2:
+        raise RuntimeError(f"fewer than two progress lines in:\n{output[-3000:]}")
+    (first, batch, first_rate), (last, _, last_rate) = lines[0], lines[-1]
+    seconds = last * batch / last_rate - first * batch / first_rate
+    return (last - first) * batch / seconds
+
+
+def run(case, processes, backend, timeout):
+    arguments, steps, every = CASES[case]
+    with tempfile.TemporaryDirectory() as output:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(processes), os.path.join(ROOT, "examples", "train_resnet50.py"),
+                   *arguments, "--backend", backend, "--stop-after-steps", str(steps),
+                   "--print-every", str(every), "--checkpoint-every", "0", "--output", output]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}"
+                           f"{result.stderr[-3000:]}")
+    return steady_rate(result.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--nprocs", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    parser.add_argument("--csv", help="also write the rows to this CSV file")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'case':>9} | {'processes':>9} | {'gloo img/s':>10} | {'torus img/s':>11} | "
+          "torus / gloo")
+    for case in args.cases:
+        for processes in args.nprocs:
+            rates = {"gloo": [], "torus": []}
+            for _ in range(args.rounds):  # the backends take turns, so drift hits both
+                for backend in rates:
+                    rates[backend].append(run(case, processes, backend, args.timeout))
+            medians = {backend: statistics.median(values) for backend, values in rates.items()}
+            ratio = medians["torus"] / medians["gloo"]
+            print(f"{case:>9} | {processes:>9} | {medians['gloo']:10.0f} | "
+                  f"{medians['torus']:11.0f} | {ratio:.3f}x", flush=True)
+            rows += [{"case": case, "processes": processes, "backend": backend,
+                      "images_per_second": medians[backend], "torus_over_gloo": ratio}
+                     for backend in medians]
+    if args.csv:
+        write_csv(args.csv, rows, CSV_FIELDS)
+
+
+if __name__ == "__main__":
+    main()
