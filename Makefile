@@ -8,7 +8,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 APT := $(shell [ "$$(id -u)" = 0 ] || echo sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py') setup.py pyproject.toml
 
-.PHONY: install demo test cuda-check
+.PHONY: install demo demo-cluster test cuda-check
 
 # torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch.
 $(BUILD)/installed: $(SOURCES)
@@ -24,12 +24,20 @@ $(FASHION_MNIST):
 
 install: $(BUILD)/installed $(FASHION_MNIST)
 
-# The main job: goyal2017 (5 epochs) on Fashion-MNIST, 4 CPU processes under torchrun, DDP over
-# the torus backend (a 2x2 torus); prints the test accuracy.
+DEMO_JOB := examples/train_resnet50.py --recipe goyal2017 --dataset fashion-mnist --epochs 5 \
+  --batch-per-rank 64
+
+# The main job: goyal2017 (5 epochs) on Fashion-MNIST, 4 CPU processes under one torchrun, DDP
+# over the torus backend (on one machine a 4x1 torus: one row); prints the test accuracy.
 demo: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc-per-node 4 \
-	  examples/train_resnet50.py --recipe goyal2017 --dataset fashion-mnist --epochs 5 \
-	  --batch-per-rank 64 --output runs/demo
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --nproc-per-node 4 $(DEMO_JOB) \
+	  --output runs/demo
+
+# The same job on two emulated machines of two processes (network namespaces: root, iproute2):
+# a 2x2 torus whose rows are the machines.
+demo-cluster: install
+	OMP_NUM_THREADS=1 $(PYTHON) benchmarks/emulated_cluster.py --nodes 2 --nproc-per-node 2 \
+	  $(DEMO_JOB) --output runs/demo-cluster
 
 test: install cuda-check
 	$(PYTHON) -m pytest -q

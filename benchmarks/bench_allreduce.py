@@ -127,7 +127,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--algorithms", nargs="+", default=["auto", "torus"],
                         choices=("auto", "torus", "flat"), help="torus groups to time")
-    parser.add_argument("--segment-bytes", type=parse_size, default=TorusOptions.segment_bytes)
+    parser.add_argument("--segment-bytes", type=parse_size, help="default: TorusOptions'")
     parser.add_argument("--port", type=int, default=29655)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 import torch_bigbatch as bb
-from torch_bigbatch.distributed import TorusOptions
 from torch_bigbatch.distributed.cost_model import alpha_beta, calibration, cli
 from torch_bigbatch.distributed.cost_model.alpha_beta import Hardware
 
@@ -45,10 +44,6 @@ def test_math_module_imports_nothing_compiled():
     report = json.loads(result.stdout)
     assert report["loaded"] == []  # neither torch nor torch_bigbatch._C
     assert report["seconds"] == alpha_beta.allreduce_time("tree", ABCI, 4096)
-
-
-def test_segment_default_is_the_backends():
-    assert alpha_beta.DEFAULT_SEGMENT_BYTES == TorusOptions().segment_bytes
 
 
 def test_resnet50_gradient_size():

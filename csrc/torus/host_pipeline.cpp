@@ -49,20 +49,41 @@ struct Split {
   }
 };
 
-// Regions [header | data of sizes[k] elements, padded to 16 bytes], back to back in bytes.
-struct Regions {
-  std::vector<int64_t> bytes, offsets;
-  int64_t total = 0;
-  Regions() = default;
-  Regions(const std::vector<int64_t>& sizes, int64_t element_size) {
-    for (int64_t size : sizes) {
-      bytes.push_back(kHeaderBytes + (size * element_size + 15) / 16 * 16);
+// What one member of a group sends to, or receives from, every other member in an exchange:
+// one region [header | data, padded to 16 bytes] per other member, back to back, and none for
+// itself (its own part never leaves it, and Gloo copies nothing for it). `sizes[j]` is the
+// element count of member j's region; `splits` are alltoall_base's, in bytes, 0 for `me`.
+struct Exchange {
+  std::vector<int> members;                // whose region each is
+  std::vector<int64_t> sizes, offsets;     // per region: elements, byte offset
+  std::vector<int64_t> splits;             // per member: bytes
+  int64_t total = 0, element_size = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  Exchange() = default;
+  Exchange(const std::vector<int64_t>& member_sizes, int me, const at::Tensor& like)
+      : element_size(like.element_size()), dtype(like.scalar_type()) {
+    for (int j = 0; j < static_cast<int>(member_sizes.size()); ++j) {
+      const int64_t bytes =
+          j == me ? 0 : kHeaderBytes + (member_sizes[j] * element_size + 15) / 16 * 16;
+      splits.push_back(bytes);
+      if (j == me) continue;
+      members.push_back(j);
+      sizes.push_back(member_sizes[j]);
       offsets.push_back(total);
-      total += bytes.back();
+      total += bytes;
     }
   }
-  at::Tensor data(const at::Tensor& buffer, size_t k, int64_t numel, at::ScalarType dtype) const {
-    return buffer.narrow(0, offsets[k] + kHeaderBytes, numel * at::elementSize(dtype)).view(dtype);
+  // Region k's data.
+  at::Tensor data(const at::Tensor& buffer, size_t k) const {
+    return buffer.narrow(0, offsets[k] + kHeaderBytes, sizes[k] * element_size).view(dtype);
+  }
+  // Every region's data as rows [regions, n], when the regions are of one size.
+  at::Tensor rows(const at::Tensor& buffer) const {
+    const int64_t count = static_cast<int64_t>(sizes.size());
+    return buffer.view({count, total / count})
+        .narrow(1, kHeaderBytes, sizes[0] * element_size)
+        .view(dtype);
   }
 };
 
@@ -142,132 +163,163 @@ void then(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
       });
 }
 
+void write_headers(const Segment& segment, at::Tensor& buffer, const Exchange& exchange) {
+  const Header header{segment.call->numel, segment.call->kind, segment.mismatch};
+  for (int64_t offset : exchange.offsets)
+    std::memcpy(buffer.data_ptr<uint8_t>() + offset, &header, sizeof header);
+}
+
+// What an allgather sends: this member's part, which the caller has put in region 0, with the
+// header, in every region (all of one size).
+void replicate(const Segment& segment, at::Tensor& buffer, const Exchange& exchange) {
+  write_headers(segment, buffer, exchange);
+  const int64_t count = static_cast<int64_t>(exchange.sizes.size());
+  at::Tensor rows = buffer.view({count, exchange.total / count});
+  rows.narrow(0, 1, count - 1).copy_(rows[0].expand({count - 1, rows.size(1)}));
+}
+
+// Compares the headers received from the members of `group` with this rank's call. A
+// difference, or a mismatch a sender passes on, marks the segment; the flag travels on in this
+// rank's headers. Where sizes differ the regions after the first are misaligned: their headers
+// only flag.
+void check_headers(const HostPipeline::Context& context, Segment& segment,
+                   const at::Tensor& buffer, const Exchange& exchange,
+                   const std::vector<int>& group) {
+  const Call& call = *segment.call;
+  for (size_t k = 0; k < exchange.offsets.size(); ++k) {
+    Header header;
+    std::memcpy(&header, buffer.data_ptr<uint8_t>() + exchange.offsets[k], sizeof header);
+    if (segment.mismatch == 0) segment.mismatch = header.mismatch;
+    if (header.numel == call.numel && header.kind == call.kind) continue;
+    if (segment.mismatch == 0) segment.mismatch = 1 + context.shape.rank;
+    if (segment.mismatch_detail.empty() && (k == 0 || header.numel == call.numel))
+      segment.mismatch_detail = c10::str("rank ", group[exchange.members[k]], " passed ",
+                                         describe_kind(header.numel, header.kind));
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> exchange(c10d::Backend& group, at::Tensor& output,
                                         at::Tensor& input, std::vector<int64_t> output_splits,
                                         std::vector<int64_t> input_splits) {
   return group.alltoall_base(output, input, output_splits, input_splits);
 }
 
-// The header in front of region 0, then region 0 copied into every other region (all of one
-// size): what an allgather sends each member.
-void replicate_with_header(const Segment& segment, at::Tensor& buffer, const Regions& regions) {
-  const Header header{segment.call->numel, segment.call->kind, segment.mismatch};
-  std::memcpy(buffer.data_ptr<uint8_t>(), &header, sizeof header);
-  const int64_t count = static_cast<int64_t>(regions.offsets.size()), bytes = regions.bytes[0];
-  at::Tensor rows = buffer.view({count, bytes});
-  rows.narrow(0, 1, count - 1).copy_(rows[0].expand({count - 1, bytes}));
-}
-
-void write_headers(const Segment& segment, at::Tensor& buffer, const Regions& regions) {
-  const Header header{segment.call->numel, segment.call->kind, segment.mismatch};
-  for (int64_t offset : regions.offsets)
-    std::memcpy(buffer.data_ptr<uint8_t>() + offset, &header, sizeof header);
-}
-
-// Compares the headers received from `senders` with this rank's call. A difference, or a
-// mismatch a sender passes on, marks the segment; the flag travels on in this rank's headers.
-// Where sizes differ the regions after the first are misaligned: their headers only flag.
-void check_headers(const HostPipeline::Context& context, Segment& segment,
-                   const at::Tensor& buffer, const Regions& regions,
-                   const std::vector<int>& senders) {
-  const Call& call = *segment.call;
-  for (size_t k = 0; k < regions.offsets.size(); ++k) {
-    Header header;
-    std::memcpy(&header, buffer.data_ptr<uint8_t>() + regions.offsets[k], sizeof header);
-    if (segment.mismatch == 0) segment.mismatch = header.mismatch;
-    if (header.numel == call.numel && header.kind == call.kind) continue;
-    if (segment.mismatch == 0) segment.mismatch = 1 + context.shape.rank;
-    if (segment.mismatch_detail.empty() && (k == 0 || header.numel == call.numel))
-      segment.mismatch_detail =
-          c10::str("rank ", senders[k], " passed ", describe_kind(header.numel, header.kind));
-  }
+// The allgather of a group: `in` holds this member's part in region 0; every member's region
+// arrives in `out` (the regions of `received`).
+void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
+               at::Tensor& in, const Exchange& sent, at::Tensor& out, const Exchange& received,
+               Phase phase, Stage next) {
+  replicate(*segment, in, sent);
+  out = context->scratch.take(received.total);
+  then(context, segment, phase, exchange(group, out, in, received.splits, sent.splits), next);
 }
 
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
-void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_gather(const ContextPtr& context, const SegmentPtr& segment);
+void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment);
 void after_row_gather(const ContextPtr& context, const SegmentPtr& segment);
+void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
+void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void finish(const ContextPtr& context, const SegmentPtr& segment);
 
+int64_t row_size(const TorusShape& shape, const Segment& segment) {
+  return segment.row.sizes[shape.x()];
+}
+int64_t piece_size(const TorusShape& shape, const Segment& segment) {
+  return segment.column.sizes[shape.y()];
+}
+// The row allgather's regions: this rank's row part to every row member.
+Exchange row_gather_in(const TorusShape& shape, const Segment& segment) {
+  return Exchange(std::vector<int64_t>(shape.columns, row_size(shape, segment)), shape.x(),
+                  segment.part);
+}
 // A column of two allreduces its row parts in one exchange (each member sends its part to the
 // other, both sum): the bytes of a reduce-scatter plus an allgather, in one step instead of two.
 bool one_shot_column(const TorusShape& shape) { return shape.rows == 2; }
-
-void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
-void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
-
-// The sum of `rows` ([K, n]) to every column member, and every member's to this rank.
-void column_one_shot(const ContextPtr& context, const SegmentPtr& segment, const at::Tensor& rows) {
+Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int64_t size) {
+  return Exchange(std::vector<int64_t>(shape.rows, size), shape.y(), segment.part);
+}
+// The result of this rank's row part: in region 0 of the row allgather's input, or, with one
+// column, the segment itself (a scratch copy when the ranks' calls differ: the caller's buffer
+// is not written then).
+at::Tensor row_result(const ContextPtr& context, Segment& segment) {
   const TorusShape& shape = context->shape;
-  const int64_t size = segment->part.numel();
-  const Regions whole(std::vector<int64_t>(shape.rows, size), segment->element_size());
-  segment->column_in = context->scratch.take(whole.total);
-  at::Tensor reduced = whole.data(segment->column_in, 0, size, segment->dtype());
-  reduce_rows(reduced, rows, segment->call->op);
-  replicate_with_header(*segment, segment->column_in, whole);
-  segment->column_out = context->scratch.take(whole.total);
-  then(context, segment, Phase::ColumnAllreduce,
-       exchange(*context->engines.column, segment->column_out, segment->column_in, whole.bytes,
-                whole.bytes),
-       after_column_one_shot);
-}
-
-// The last exchange of a small buffer done: the sum of the `count` regions in `received` is the
-// result, unless the ranks' calls differed.
-void finish_one_shot(const ContextPtr& context, const SegmentPtr& segment, at::Tensor& received,
-                     int64_t count) {
-  const Call& call = *segment->call;
-  const int64_t size = segment->part.numel(), element_size = segment->element_size();
-  if (segment->mismatch == 0) {
-    const Regions whole(std::vector<int64_t>(count, size), element_size);
-    const at::Tensor rows = received.view({count, whole.bytes[0]})
-                                .narrow(1, kHeaderBytes, size * element_size)
-                                .view(segment->dtype());
-    reduce_rows(segment->part, rows, call.op);
-    finish_average(segment->part, call.op, context->shape.columns * context->shape.rows);
+  if (shape.columns > 1) {
+    const Exchange sent = row_gather_in(shape, segment);
+    segment.row_in = context->scratch.take(sent.total);
+    return sent.data(segment.row_in, 0);
   }
-  context->scratch.give(std::move(received));
-  finish(context, segment);
+  return segment.mismatch == 0 ? segment.part : at::empty_like(segment.part);
+}
+void row_allgather(const ContextPtr& context, const SegmentPtr& segment) {
+  const TorusShape& shape = context->shape;
+  allgather(context, segment, *context->engines.row_gather, segment->row_in,
+            row_gather_in(shape, *segment), segment->row_out,
+            Exchange(segment->row.sizes, shape.x(), segment->part), Phase::RowGather,
+            after_row_gather);
 }
 
-// Calling thread: a small buffer to every row member (or, in a row of one, to the column).
+// Calling thread. Small buffers: every row member's whole buffer to every other (or, in a row
+// of one, straight to the column).
 void start_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const int64_t size = segment->part.numel();
-  if (shape.columns == 1) return column_one_shot(context, segment, segment->part.view({1, size}));
-  const Regions whole(std::vector<int64_t>(shape.columns, size), segment->element_size());
-  segment->row_in = context->scratch.take(whole.total);
-  whole.data(segment->row_in, 0, size, segment->dtype()).copy_(segment->part);
-  replicate_with_header(*segment, segment->row_in, whole);
-  segment->row_out = context->scratch.take(whole.total);
-  then(context, segment, Phase::RowAllreduce,
-       exchange(*context->engines.row_scatter, segment->row_out, segment->row_in, whole.bytes,
-                whole.bytes),
-       after_row_one_shot);
+  if (shape.columns == 1) {
+    const Exchange sent = column_one_shot_in(shape, *segment, size);
+    segment->column_in = context->scratch.take(sent.total);
+    sent.data(segment->column_in, 0).copy_(segment->part);
+    return allgather(context, segment, *context->engines.column, segment->column_in, sent,
+                     segment->column_out, sent, Phase::ColumnAllreduce, after_column_one_shot);
+  }
+  const Exchange sent(std::vector<int64_t>(shape.columns, size), shape.x(), segment->part);
+  segment->row_in = context->scratch.take(sent.total);
+  sent.data(segment->row_in, 0).copy_(segment->part);
+  allgather(context, segment, *context->engines.row_scatter, segment->row_in, sent,
+            segment->row_out, sent, Phase::RowAllreduce, after_row_one_shot);
 }
 
+// This member's buffer plus the row's: the result (one row), or what goes to the column.
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  const int64_t size = segment->part.numel(), element_size = segment->element_size();
-  const Regions whole(std::vector<int64_t>(shape.columns, size), element_size);
-  check_headers(*context, *segment, segment->row_out, whole, shape.row_ranks());
+  const Call& call = *segment->call;
+  const int64_t size = segment->part.numel();
+  const Exchange peers(std::vector<int64_t>(shape.columns, size), shape.x(), segment->part);
+  check_headers(*context, *segment, segment->row_out, peers, shape.row_ranks());
+  at::Tensor sum = segment->part;  // this member's buffer
+  if (shape.rows > 1) {
+    const Exchange sent = column_one_shot_in(shape, *segment, size);
+    segment->column_in = context->scratch.take(sent.total);
+    sum = sent.data(segment->column_in, 0).copy_(segment->part);
+  } else if (segment->mismatch != 0) {
+    sum = segment->part.clone();
+  }
+  accumulate_rows(sum, peers.rows(segment->row_out), call.op);
   context->scratch.give(std::move(segment->row_in));
-  if (shape.rows == 1) return finish_one_shot(context, segment, segment->row_out, shape.columns);
-  column_one_shot(context, segment,
-                  segment->row_out.view({shape.columns, whole.bytes[0]})
-                      .narrow(1, kHeaderBytes, size * element_size)
-                      .view(segment->dtype()));
   context->scratch.give(std::move(segment->row_out));
+  if (shape.rows == 1) {
+    finish_average(sum, call.op, shape.columns);
+    return finish(context, segment);
+  }
+  const Exchange sent = column_one_shot_in(shape, *segment, size);
+  allgather(context, segment, *context->engines.column, segment->column_in, sent,
+            segment->column_out, sent, Phase::ColumnAllreduce, after_column_one_shot);
 }
 
+// The row's sum plus the column's: the result.
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  const Regions whole(std::vector<int64_t>(shape.rows, segment->part.numel()),
-                      segment->element_size());
-  check_headers(*context, *segment, segment->column_out, whole, shape.column_ranks());
+  const Call& call = *segment->call;
+  const Exchange peers = column_one_shot_in(shape, *segment, segment->part.numel());
+  check_headers(*context, *segment, segment->column_out, peers, shape.column_ranks());
+  at::Tensor result =
+      segment->mismatch == 0 ? segment->part : at::empty_like(segment->part);
+  result.copy_(peers.data(segment->column_in, 0));
+  accumulate_rows(result, peers.rows(segment->column_out), call.op);
+  finish_average(result, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_in));
-  finish_one_shot(context, segment, segment->column_out, shape.rows);
+  context->scratch.give(std::move(segment->column_out));
+  finish(context, segment);
 }
 
 // Calling thread: the row reduce-scatter (X parts of the segment to the X row members).
@@ -276,7 +328,7 @@ void start(const ContextPtr& context, const SegmentPtr& segment) {
     return start_one_shot(context, segment);
   const TorusShape& shape = context->shape;
   if (shape.columns == 1) return after_row_scatter(context, segment);
-  const int64_t size = segment->row.sizes[shape.x()];
+  const int64_t size = row_size(shape, *segment);
   segment->received =
       context->scratch.take(shape.columns * size * segment->element_size()).view(segment->dtype());
   then(context, segment, Phase::RowScatter,
@@ -285,157 +337,124 @@ void start(const ContextPtr& context, const SegmentPtr& segment) {
        after_row_scatter);
 }
 
-// The reduced row part, in region 0 of `row_in` (header regions of one size), to every row member.
-void row_allgather(const ContextPtr& context, const SegmentPtr& segment, const Regions& row_in) {
-  replicate_with_header(*segment, segment->row_in, row_in);
-  const Regions row_out(segment->row.sizes, segment->element_size());
-  segment->row_out = context->scratch.take(row_out.total);
-  then(context, segment, Phase::RowGather,
-       exchange(*context->engines.row_gather, segment->row_out, segment->row_in, row_out.bytes,
-                row_in.bytes),
-       after_row_gather);
-}
-
-// The sum of the X parts received: cut into the Y column pieces (column reduce-scatter), or,
-// in a torus of one row, the result, sent to the row.
+// The sum of the X parts received is this rank's row part, reduced along the row: the result
+// (one row), or what the column allreduces (a column of two) or reduce-scatters.
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
-  const int64_t size = segment->row.sizes[shape.x()], element_size = segment->element_size();
+  const int64_t size = row_size(shape, *segment);
   const at::Tensor rows = shape.columns > 1 ? segment->received.view({shape.columns, size})
                                             : segment->part.view({1, size});
   if (shape.rows == 1) {
-    const Regions row_in(std::vector<int64_t>(shape.columns, size), element_size);
-    segment->row_in = context->scratch.take(row_in.total);
-    at::Tensor reduced = row_in.data(segment->row_in, 0, size, segment->dtype());
+    at::Tensor reduced = row_result(context, *segment);
     reduce_rows(reduced, rows, call.op);
     finish_average(reduced, call.op, shape.columns);
     context->scratch.give(std::move(segment->received));
-    return row_allgather(context, segment, row_in);
+    return row_allgather(context, segment);
   }
   if (one_shot_column(shape)) {
-    const Regions whole(std::vector<int64_t>(shape.rows, size), element_size);
-    segment->column_in = context->scratch.take(whole.total);
-    at::Tensor reduced = whole.data(segment->column_in, 0, size, segment->dtype());
+    const Exchange sent = column_one_shot_in(shape, *segment, size);
+    segment->column_in = context->scratch.take(sent.total);
+    at::Tensor reduced = sent.data(segment->column_in, 0);
     reduce_rows(reduced, rows, call.op);
     context->scratch.give(std::move(segment->received));
-    replicate_with_header(*segment, segment->column_in, whole);
-    segment->column_out = context->scratch.take(whole.total);
-    then(context, segment, Phase::ColumnAllreduce,
-         exchange(*context->engines.column, segment->column_out, segment->column_in, whole.bytes,
-                  whole.bytes),
-         after_column_allreduce);
-    return;
+    return allgather(context, segment, *context->engines.column, segment->column_in, sent,
+                     segment->column_out, sent, Phase::ColumnAllreduce, after_column_allreduce);
   }
+  // The Y pieces of the row part: the other members' to them, this rank's kept for the sum.
   const Split& pieces = segment->column;
-  const Regions column_in(pieces.sizes, element_size);
-  segment->column_in = context->scratch.take(column_in.total);
-  for (int64_t j = 0; j < shape.rows; ++j) {
-    at::Tensor reduced = column_in.data(segment->column_in, j, pieces.sizes[j], segment->dtype());
+  const Exchange sent(pieces.sizes, shape.y(), segment->part);
+  segment->column_in = context->scratch.take(sent.total);
+  for (size_t k = 0; k < sent.members.size(); ++k) {
+    const int j = sent.members[k];
+    at::Tensor reduced = sent.data(segment->column_in, k);
     reduce_rows(reduced, rows.narrow(1, pieces.offsets[j], pieces.sizes[j]), call.op);
   }
-  write_headers(*segment, segment->column_in, column_in);
+  write_headers(*segment, segment->column_in, sent);
+  const Exchange own(std::vector<int64_t>(shape.rows, piece_size(shape, *segment)), shape.y(),
+                     segment->part);  // the column allgather's input; region 0: this piece
+  segment->column_gather_in = context->scratch.take(own.total);
+  at::Tensor piece = own.data(segment->column_gather_in, 0);
+  reduce_rows(piece, rows.narrow(1, pieces.offsets[shape.y()], pieces.sizes[shape.y()]), call.op);
   context->scratch.give(std::move(segment->received));
-  const Regions column_out(std::vector<int64_t>(shape.rows, pieces.sizes[shape.y()]),
-                           element_size);
-  segment->column_out = context->scratch.take(column_out.total);
+  segment->column_out = context->scratch.take(own.total);
   then(context, segment, Phase::ColumnScatter,
-       exchange(*context->engines.column, segment->column_out, segment->column_in,
-                column_out.bytes, column_in.bytes),
+       exchange(*context->engines.column, segment->column_out, segment->column_in, own.splits,
+                sent.splits),
        after_column_scatter);
 }
 
-// The sum of the row parts the column's members sent is this rank's row part of the result.
-void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment) {
-  const TorusShape& shape = context->shape;
-  const Call& call = *segment->call;
-  const int64_t size = segment->row.sizes[shape.x()], element_size = segment->element_size();
-  const Regions whole(std::vector<int64_t>(shape.rows, size), element_size);
-  check_headers(*context, *segment, segment->column_out, whole, shape.column_ranks());
-  context->scratch.give(std::move(segment->column_in));
-  Regions row_in;
-  at::Tensor target;  // a column of one rank: the result itself, unless the ranks' calls differ
-  if (shape.columns > 1) {
-    row_in = Regions(std::vector<int64_t>(shape.columns, size), element_size);
-    segment->row_in = context->scratch.take(row_in.total);
-    target = row_in.data(segment->row_in, 0, size, segment->dtype());
-  } else if (segment->mismatch == 0) {
-    target = segment->part;
-  }
-  if (target.defined()) {
-    const at::Tensor rows = segment->column_out.view({shape.rows, whole.bytes[0]})
-                                .narrow(1, kHeaderBytes, size * element_size)
-                                .view(segment->dtype());
-    reduce_rows(target, rows, call.op);
-    finish_average(target, call.op, shape.columns * shape.rows);
-  }
-  context->scratch.give(std::move(segment->column_out));
-  if (shape.columns > 1) return row_allgather(context, segment, row_in);
-  finish(context, segment);
-}
-
-// The sum of the Y pieces received is this rank's piece of the result: to every column member.
+// The column's sum of this rank's piece is its piece of the result: to every column member.
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
-  const int64_t size = segment->column.sizes[shape.y()], element_size = segment->element_size();
-  const Regions pieces(std::vector<int64_t>(shape.rows, size), element_size);
-  check_headers(*context, *segment, segment->column_out, pieces, shape.column_ranks());
+  const Exchange own(std::vector<int64_t>(shape.rows, piece_size(shape, *segment)), shape.y(),
+                     segment->part);
+  check_headers(*context, *segment, segment->column_out, own, shape.column_ranks());
+  at::Tensor piece = own.data(segment->column_gather_in, 0);
+  accumulate_rows(piece, own.rows(segment->column_out), call.op);
+  finish_average(piece, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_in));
-  segment->column_gather_in = context->scratch.take(pieces.total);
-  at::Tensor reduced = pieces.data(segment->column_gather_in, 0, size, segment->dtype());
-  const at::Tensor rows = segment->column_out.view({shape.rows, pieces.bytes[0]})
-                              .narrow(1, kHeaderBytes, size * element_size)
-                              .view(segment->dtype());
-  reduce_rows(reduced, rows, call.op);
-  finish_average(reduced, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_out));
-  replicate_with_header(*segment, segment->column_gather_in, pieces);
-  const Regions gathered(segment->column.sizes, element_size);
-  segment->column_gathered = context->scratch.take(gathered.total);
-  then(context, segment, Phase::ColumnGather,
-       exchange(*context->engines.column_gather, segment->column_gathered,
-                segment->column_gather_in, gathered.bytes, pieces.bytes),
-       after_column_gather);
+  allgather(context, segment, *context->engines.column_gather, segment->column_gather_in, own,
+            segment->column_gathered, Exchange(segment->column.sizes, shape.y(), segment->part),
+            Phase::ColumnGather, after_column_gather);
 }
 
-// The Y reduced pieces make this rank's row part of the result: to every row member.
+// The Y pieces make this rank's row part of the result: to every row member.
 void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Split& pieces = segment->column;
-  const int64_t size = segment->row.sizes[shape.x()], element_size = segment->element_size();
-  const Regions gathered(pieces.sizes, element_size);
+  const Exchange gathered(pieces.sizes, shape.y(), segment->part);
   check_headers(*context, *segment, segment->column_gathered, gathered, shape.column_ranks());
+  at::Tensor part = row_result(context, *segment);
+  const int y = shape.y();
+  const Exchange own(std::vector<int64_t>(shape.rows, pieces.sizes[y]), y, segment->part);
+  part.narrow(0, pieces.offsets[y], pieces.sizes[y]).copy_(own.data(segment->column_gather_in, 0));
+  for (size_t k = 0; k < gathered.members.size(); ++k) {
+    const int j = gathered.members[k];
+    part.narrow(0, pieces.offsets[j], pieces.sizes[j])
+        .copy_(gathered.data(segment->column_gathered, k));
+  }
   context->scratch.give(std::move(segment->column_gather_in));
-  at::Tensor target = segment->part;  // a column of one rank: the result itself
-  Regions row_in;
-  if (shape.columns > 1) {
-    row_in = Regions(std::vector<int64_t>(shape.columns, size), element_size);
-    segment->row_in = context->scratch.take(row_in.total);
-    target = row_in.data(segment->row_in, 0, size, segment->dtype());
-  }
-  if (segment->mismatch == 0 || shape.columns > 1) {
-    for (int64_t j = 0; j < shape.rows; ++j)
-      target.narrow(0, pieces.offsets[j], pieces.sizes[j])
-          .copy_(gathered.data(segment->column_gathered, j, pieces.sizes[j], segment->dtype()));
-  }
   context->scratch.give(std::move(segment->column_gathered));
-  if (shape.columns > 1) return row_allgather(context, segment, row_in);
+  if (shape.columns > 1) return row_allgather(context, segment);
   finish(context, segment);
 }
 
-// The X reduced row parts are the segment's result.
+// The column's sum of this rank's row part: the result's row part, to every row member.
+void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment) {
+  const TorusShape& shape = context->shape;
+  const Call& call = *segment->call;
+  const Exchange peers = column_one_shot_in(shape, *segment, row_size(shape, *segment));
+  check_headers(*context, *segment, segment->column_out, peers, shape.column_ranks());
+  at::Tensor part = row_result(context, *segment);
+  part.copy_(peers.data(segment->column_in, 0));
+  accumulate_rows(part, peers.rows(segment->column_out), call.op);
+  finish_average(part, call.op, shape.columns * shape.rows);
+  context->scratch.give(std::move(segment->column_in));
+  context->scratch.give(std::move(segment->column_out));
+  if (shape.columns > 1) return row_allgather(context, segment);
+  finish(context, segment);
+}
+
+// This rank's row part and the others' are the segment's result.
 void after_row_gather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Split& parts = segment->row;
-  const Regions gathered(parts.sizes, segment->element_size());
+  const Exchange gathered(parts.sizes, shape.x(), segment->part);
   check_headers(*context, *segment, segment->row_out, gathered, shape.row_ranks());
-  context->scratch.give(std::move(segment->row_in));
   if (segment->mismatch == 0) {
-    for (int64_t k = 0; k < shape.columns; ++k)
-      segment->part.narrow(0, parts.offsets[k], parts.sizes[k])
-          .copy_(gathered.data(segment->row_out, k, parts.sizes[k], segment->dtype()));
+    const int x = shape.x();
+    segment->part.narrow(0, parts.offsets[x], parts.sizes[x])
+        .copy_(row_gather_in(shape, *segment).data(segment->row_in, 0));
+    for (size_t k = 0; k < gathered.members.size(); ++k) {
+      const int j = gathered.members[k];
+      segment->part.narrow(0, parts.offsets[j], parts.sizes[j])
+          .copy_(gathered.data(segment->row_out, k));
+    }
   }
+  context->scratch.give(std::move(segment->row_in));
   context->scratch.give(std::move(segment->row_out));
   finish(context, segment);
 }

@@ -10,6 +10,9 @@ namespace torch_bigbatch::torus {
 // out[i] = rows[0][i] op rows[1][i] op ... for rows of shape [X, n].
 void reduce_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op);
 
+// out[i] = out[i] op rows[0][i] op rows[1][i] ...: what other members sent, added to this one's.
+void accumulate_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op);
+
 // The op the engines run: AVG is summed, then divided once by finish_average.
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op);
 void finish_average(at::Tensor& reduced, const c10d::ReduceOp& op, int64_t group_size);

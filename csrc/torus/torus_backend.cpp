@@ -69,9 +69,9 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   }
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
-  if (cpu_) host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.segment_bytes);
+  if (cpu_) host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.cpu_segment_bytes);
   if (cuda_) {
-    stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, settings_.segment_bytes,
+    stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, settings_.cuda_segment_bytes,
                                                settings_.timeout);
   }
 }

@@ -21,7 +21,8 @@ namespace torch_bigbatch::torus {
 // device type), the whole group's allreduce above; torch_bigbatch/distributed/torus.py derives
 // the limits from TorusOptions.algorithm and the shape.
 struct TorusSettings {
-  int64_t segment_bytes = 16 << 20;  // pipelining unit of large buffers
+  int64_t cpu_segment_bytes = 2 << 20;    // pipelining unit of large buffers, per device type
+  int64_t cuda_segment_bytes = 16 << 20;
   int64_t cpu_torus_max_bytes = std::numeric_limits<int64_t>::max();
   int64_t cuda_torus_max_bytes = std::numeric_limits<int64_t>::max();
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};

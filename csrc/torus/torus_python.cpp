@@ -34,17 +34,20 @@ void bind_torus(py::module& m) {
 
   py::class_<TorusBackend, c10d::Backend, c10::intrusive_ptr<TorusBackend>>(m, "TorusBackend")
       .def(py::init([](int rank, int size, int columns, int rows, std::optional<Engines> cpu,
-                       std::optional<Engines> cuda, int64_t segment_bytes,
+                       std::optional<Engines> cuda, int64_t cpu_segment_bytes,
+                       int64_t cuda_segment_bytes,
                        int64_t cpu_torus_max_bytes, int64_t cuda_torus_max_bytes,
                        std::chrono::milliseconds timeout) {
              TorusShape shape{columns, rows, rank};
-             TorusSettings settings{segment_bytes, cpu_torus_max_bytes, cuda_torus_max_bytes,
+             TorusSettings settings{cpu_segment_bytes, cuda_segment_bytes, cpu_torus_max_bytes,
+                                    cuda_torus_max_bytes,
                                     timeout};
              return c10::make_intrusive<TorusBackend>(shape, size, std::move(cpu),
                                                       std::move(cuda), settings);
            }),
            py::arg("rank"), py::arg("size"), py::arg("columns"), py::arg("rows"),
-           py::arg("cpu"), py::arg("cuda"), py::arg("segment_bytes"),
+           py::arg("cpu"), py::arg("cuda"), py::arg("cpu_segment_bytes"),
+           py::arg("cuda_segment_bytes"),
            py::arg("cpu_torus_max_bytes"), py::arg("cuda_torus_max_bytes"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shape",
