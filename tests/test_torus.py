@@ -229,13 +229,26 @@ def size_mismatch(rank, world_size, port):
     return time.monotonic() - start, None
 
 
-def killed_rank(rank, world_size, port, algorithm):
+def killed_rank(rank, world_size, port, collective):
+    """collective: "torus" or "flat" (an allreduce by that algorithm), or "allgather" (one the
+    torus hands to its whole group as it is)."""
+    algorithm = "auto" if collective == "allgather" else collective
     init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=5)
     dist.all_reduce(torch.ones(10))  # every group is connected
     if rank == 3:
         os._exit(1)
     time.sleep(0.5)
     start = time.monotonic()
+    if collective == "allgather":  # its failure through the future and through wait()
+        work = dist.all_gather([torch.empty(100_000) for _ in range(world_size)],
+                               torch.ones(100_000), async_op=True)
+        messages = []
+        for finish in (work.get_future().wait, work.wait):
+            try:
+                finish()
+            except RuntimeError as error:
+                messages.append(str(error))
+        return time.monotonic() - start, "\n".join(messages) if len(messages) == 2 else None
     try:
         dist.all_reduce(torch.ones(100_000))
     except RuntimeError as error:
@@ -243,17 +256,24 @@ def killed_rank(rank, world_size, port, algorithm):
     return time.monotonic() - start, None
 
 
-@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+@pytest.mark.parametrize("collective", ["torus", "flat", "allgather"])
 @pytest.mark.slow
-def test_killed_rank_ends_in_errors_within_timeout(algorithm):
-    """Every surviving rank raises within the timeout, with the phase and its ranks named."""
-    outcomes = run_ranks(killed_rank, 4, algorithm, deadline=60, allow_missing=(3,))
+def test_killed_rank_ends_in_errors_within_timeout(collective):
+    """Every surviving rank raises within the timeout, with the collective, its phase and the
+    ranks named."""
+    outcomes = run_ranks(killed_rank, 4, collective, deadline=60, allow_missing=(3,))
     assert outcomes[3] == ("exited", 1)
-    where = ("row", "column") if algorithm == "torus" else ("the whole group",)
+    where = {"torus": ("torus allreduce failed in the reduce-scatter along row",
+                       "torus allreduce failed in the allreduce along column",
+                       "torus allreduce failed in the allgather along row"),
+             "flat": ("torus allreduce failed in the allreduce of the whole group",),
+             "allgather": ("torus allgather failed in the allgather of the whole group",)}
     for rank, (seconds, message) in enumerate(outcomes[:3]):
         assert message is not None, f"rank {rank} returned a result despite the fault"
         assert seconds < 5 + 3, f"rank {rank} failed after {seconds:.1f} s (timeout 5 s)"
-        assert "torus allreduce failed" in message and any(w in message for w in where), message
+        named = sum(message.count(w) for w in where[collective])
+        assert named == (2 if collective == "allgather" else 1), message
+        assert f"(rank {rank} at x={rank % 2}, y={rank // 2} of a 2x2 torus)" in message, message
 
 
 @pytest.mark.slow

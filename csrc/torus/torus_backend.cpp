@@ -1,5 +1,6 @@
 #include "torus/torus_backend.h"
 
+#include "torus/delegated_work.h"
 #include "torus/local_reduce.h"
 
 #include <c10/util/Exception.h>
@@ -84,8 +85,9 @@ const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* col
               device == c10::DeviceType::CUDA ? "; NCCL is not available here)" : ")");
 }
 
-c10d::Backend& TorusBackend::whole_for(const at::Tensor& tensor, const char* collective) const {
-  return *engines_for(tensor.device().type(), collective).whole;
+std::string TorusBackend::whole_group_failure(const char* collective) const {
+  return std::string("torus ") + collective + " failed in the " + collective +
+         " of the whole group (" + shape_.describe() + "): ";
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -180,10 +182,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engi
   }
   auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
   work->getFuture()->addCallback([finished, reduced, op, size = getSize(),
-                                  where = shape_.describe()](c10::ivalue::Future& done) mutable {
+                                  failure = whole_group_failure("allreduce")](
+                                     c10::ivalue::Future& done) mutable {
     try {
-      TORCH_CHECK(!done.hasError(), "torus allreduce failed in the allreduce of the whole group (",
-                  where, "): ", done.hasError() ? done.tryRetrieveErrorMessage() : "");
+      TORCH_CHECK(!done.hasError(), failure, done.hasError() ? done.tryRetrieveErrorMessage() : "");
       std::vector<at::Tensor> outputs = finished->result();
       for (size_t i = 0; i < reduced.size(); ++i) {
         finish_average(reduced[i], op, size);
@@ -199,106 +201,139 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engi
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  return whole_for(tensors.at(0), "allreduce_sparse").allreduce_sparse(tensors, opts);
+  return delegate(tensors.at(0).device().type(), "allreduce_sparse", [&](c10d::Backend& whole) {
+    return whole.allreduce_sparse(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
-  return whole_for(tensors.at(0), "broadcast").broadcast(tensors, opts);
+  return delegate(tensors.at(0).device().type(), "broadcast", [&](c10d::Backend& whole) {
+    return whole.broadcast(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::ReduceOptions& opts) {
-  return whole_for(tensors.at(0), "reduce").reduce(tensors, opts);
+  return delegate(tensors.at(0).device().type(), "reduce", [&](c10d::Backend& whole) {
+    return whole.reduce(tensors, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return whole_for(inputs.at(0), "allgather").allgather(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "allgather", [&](c10d::Backend& whole) {
+    return whole.allgather(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  return whole_for(input, "all_gather_into_tensor")._allgather_base(output, input, opts);
+  return delegate(input.device().type(), "all_gather_into_tensor", [&](c10d::Backend& whole) {
+    return whole._allgather_base(output, input, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return whole_for(inputs.at(0), "allgather_coalesced").allgather_coalesced(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "allgather_coalesced", [&](c10d::Backend& whole) {
+    return whole.allgather_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return whole_for(inputs.at(0), "allgather_into_tensor_coalesced")
-      .allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "allgather_into_tensor_coalesced",
+                  [&](c10d::Backend& whole) {
+    return whole.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return whole_for(inputs.at(0), "gather").gather(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "gather", [&](c10d::Backend& whole) {
+    return whole.gather(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return whole_for(outputs.at(0), "scatter").scatter(outputs, inputs, opts);
+  return delegate(outputs.at(0).device().type(), "scatter", [&](c10d::Backend& whole) {
+    return whole.scatter(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return whole_for(outputs.at(0), "reduce_scatter").reduce_scatter(outputs, inputs, opts);
+  return delegate(outputs.at(0).device().type(), "reduce_scatter", [&](c10d::Backend& whole) {
+    return whole.reduce_scatter(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return whole_for(input, "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
+  return delegate(input.device().type(), "reduce_scatter_tensor", [&](c10d::Backend& whole) {
+    return whole._reduce_scatter_base(output, input, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return whole_for(inputs.at(0), "reduce_scatter_tensor_coalesced")
-      .reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "reduce_scatter_tensor_coalesced",
+                  [&](c10d::Backend& whole) {
+    return whole.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  return whole_for(input, "all_to_all_single")
-      .alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  return delegate(input.device().type(), "all_to_all_single", [&](c10d::Backend& whole) {
+    return whole.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllToAllOptions& opts) {
-  return whole_for(inputs.at(0), "all_to_all").alltoall(outputs, inputs, opts);
+  return delegate(inputs.at(0).device().type(), "all_to_all", [&](c10d::Backend& whole) {
+    return whole.alltoall(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                   int tag) {
-  return whole_for(tensors.at(0), "send").send(tensors, dst_rank, tag);
+  return delegate(tensors.at(0).device().type(), "send", [&](c10d::Backend& whole) {
+    return whole.send(tensors, dst_rank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                   int tag) {
-  return whole_for(tensors.at(0), "recv").recv(tensors, src_rank, tag);
+  return delegate(tensors.at(0).device().type(), "recv", [&](c10d::Backend& whole) {
+    return whole.recv(tensors, src_rank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                            int tag) {
-  return whole_for(tensors.at(0), "recv_anysource").recvAnysource(tensors, tag);
+  return delegate(tensors.at(0).device().type(), "recv_anysource", [&](c10d::Backend& whole) {
+    return whole.recvAnysource(tensors, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::barrier(const c10d::BarrierOptions& opts) {
   c10::DeviceType device = opts.device ? opts.device->type()
                            : cpu_      ? c10::DeviceType::CPU
                                        : c10::DeviceType::CUDA;
-  return engines_for(device, "barrier").whole->barrier(opts);
+  return delegate(device, "barrier", [&](c10d::Backend& whole) { return whole.barrier(opts); });
 }
 
 void TorusBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

@@ -4,6 +4,7 @@
 // delegated to the engine's whole-group process group, so DDP and torch.distributed run as is.
 #pragma once
 
+#include "torus/delegated_work.h"
 #include "torus/host_pipeline.h"
 #include "torus/stream_pipeline.h"
 #include "torus/topology.h"
@@ -96,7 +97,15 @@ class TorusBackend : public c10d::Backend {
 
  private:
   const Engines& engines_for(c10::DeviceType device, const char* collective) const;
-  c10d::Backend& whole_for(const at::Tensor& tensor, const char* collective) const;
+  // "torus broadcast failed in the broadcast of the whole group (rank 1 at ...): "
+  std::string whole_group_failure(const char* collective) const;
+  // A collective the whole group runs as it is, its failure named (DelegatedWork).
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> delegate(c10::DeviceType device, const char* collective,
+                                          Call&& call) {
+    c10::intrusive_ptr<c10d::Work> work = call(*engines_for(device, collective).whole);
+    return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure(collective));
+  }
   c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op,
                                                  c10d::OpType op_type, const char* collective);

@@ -1,0 +1,55 @@
+#include "torus/delegated_work.h"
+
+#include <c10/util/Exception.h>
+
+namespace torch_bigbatch::torus {
+namespace {
+
+// The engine's error as a DistBackendError whose message starts with `context`.
+std::exception_ptr named(const std::string& context, const std::exception_ptr& error) {
+  if (!error) return error;
+  std::string message;
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& engine_error) {
+    message = engine_error.what_without_backtrace();
+  } catch (const std::exception& engine_error) {
+    message = engine_error.what();
+  } catch (...) {
+    message = "an unknown error";
+  }
+  return std::make_exception_ptr(C10_BUILD_ERROR(DistBackendError, context + message));
+}
+
+}  // namespace
+
+DelegatedWork::DelegatedWork(c10::intrusive_ptr<c10d::Work> engine_work, std::string context)
+    : c10d::Work(-1, engine_work->retrieveOpType()),
+      work_(std::move(engine_work)),
+      context_(std::move(context)) {}
+
+std::exception_ptr DelegatedWork::exception() const { return named(context_, work_->exception()); }
+
+bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
+  try {
+    return work_->wait(timeout);
+  } catch (...) {
+    std::rethrow_exception(named(context_, std::current_exception()));
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DelegatedWork::getFuture() {
+  std::lock_guard<std::mutex> lock(future_mutex_);
+  if (!future_) {
+    auto engine_future = work_->getFuture();
+    future_ = engine_future->then(
+        [context = context_](c10::ivalue::Future& done) -> c10::IValue {
+          if (done.hasError()) std::rethrow_exception(named(context, done.exception_ptr()));
+          return done.value();
+        },
+        engine_future->elementType());
+  }
+  return future_;
+}
+
+}  // namespace torch_bigbatch::torus
