@@ -293,6 +293,8 @@ def main():
     if os.geteuid() != 0:
         parser.error("emulating a cluster needs root (network namespaces)")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    print(f"{args.script} on {args.nodes} emulated nodes x {args.nproc_per_node} processes; "
+          "each node's output follows when the job ends", flush=True)
     with EmulatedCluster(args.nodes, rate=args.rate,
                          loopback_hostname=args.loopback_hostname) as cluster:
         results = cluster.run(lambda node: cluster.torchrun(

@@ -477,6 +477,15 @@ def format_seconds(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
 
 
+def describe_backend():
+    """The process group's backend, with the shape the torus really got: "torus (2x2)"."""
+    backend = dist.get_backend()
+    if backend != "torus":
+        return backend
+    columns, rows = bb.distributed.torus_shape()
+    return f"torus ({columns}x{rows})"
+
+
 def main(args):
     try:
         setup = Setup(args)
@@ -553,7 +562,7 @@ def main(args):
         resumed = f", resumed at epoch {span.start_epoch + 1} step {span.start_step}" \
             if setup.resumed else ""
         print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({len(setup.train)} "
-              f"images), {setup.world_size} x {device.type}, backend {dist.get_backend()}, "
+              f"images), {setup.world_size} x {device.type}, backend {describe_backend()}, "
               f"global batch {schedule(0)} (LR {recipe.peak_lr(setup.world_size):.4g}), "
               f"{recipe.epochs} epochs{resumed}", flush=True)
     stopped_mid_epoch = False

@@ -75,7 +75,7 @@ def straight_run(tmp_path_factory):
     with EmulatedCluster(2) as cluster:
         results = run_on_cluster(cluster, [*JOB, "--output", output])
     assert_succeeded(cluster, results)
-    assert "backend torus" in results[0][1] and "finished after epoch 1" in results[0][1]
+    assert "backend torus (2x2)" in results[0][1] and "finished after epoch 1" in results[0][1]
     return output
 
 

@@ -25,7 +25,7 @@ def test_loss_falls_under_torchrun(tmp_path):
     assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
     losses = [float(row["train_loss"]) for row in rows]
     assert losses[-1] < 0.95 * losses[0], losses
-    assert "backend torus" in stdout and "finished after epoch 3" in stdout
+    assert "backend torus (2x1)" in stdout and "finished after epoch 3" in stdout
     assert os.path.exists(os.path.join(output, "metrics.png"))
     # The LR of each epoch's last step: goyal2017 shrunk to 3 epochs steps down at 1 and 2.
     peak = 1.0 * 64 / 256
