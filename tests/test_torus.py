@@ -133,6 +133,25 @@ def collectives_and_subgroups(rank, world_size, port):
     scattered = torch.empty(2)
     dist.reduce_scatter_tensor(scattered, torch.arange(8, dtype=torch.float32) * (rank + 1))
     assert scattered.tolist() == [2 * rank * 10.0, (2 * rank + 1) * 10.0]
+    # Handed to the whole group: a future's value, a receive from any source (its sender),
+    # an async barrier.
+    work = dist.all_gather([torch.empty(2) for _ in range(world_size)],
+                           torch.full((2,), float(rank)), async_op=True)
+    assert [t.tolist() for t in work.get_future().wait()] == [[r, r] for r in range(4)]
+    assert work.wait() and work.is_completed()
+    if rank == 0:
+        received = torch.empty(1)
+        assert dist.recv(received) == 3 and received.item() == 7.0
+    elif rank == 3:
+        dist.send(torch.tensor([7.0]), dst=0)
+    barrier = dist.barrier(async_op=True)
+    assert barrier.wait() and barrier.is_completed()
+    # Empty tensors of every kind reduce to empty tensors.
+    for empty in (torch.empty(0), torch.empty(0, dtype=torch.int64),
+                  torch.empty(0, dtype=torch.bool), torch.empty(0, 3)[:, ::2]):
+        shape = empty.shape
+        dist.all_reduce(empty)
+        assert empty.shape == shape
     # A prime subset: 1x3. Its ranks take part; rank 0 is not a member.
     subset = dist.new_group([1, 2, 3], backend="torus")
     if rank != 0:
