@@ -401,6 +401,16 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
             Phase::ColumnGather, after_column_gather);
 }
 
+// The column's result is in place: its two buffers go back, and the row's allgather follows
+// (in a torus of one column, the end).
+void column_done(const ContextPtr& context, const SegmentPtr& segment, at::Tensor& received,
+                 at::Tensor& sent) {
+  context->scratch.give(std::move(received));
+  context->scratch.give(std::move(sent));
+  if (context->shape.columns > 1) return row_allgather(context, segment);
+  finish(context, segment);
+}
+
 // The Y pieces make this rank's row part of the result: to every row member.
 void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
@@ -416,10 +426,7 @@ void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
     part.narrow(0, pieces.offsets[j], pieces.sizes[j])
         .copy_(gathered.data(segment->column_gathered, k));
   }
-  context->scratch.give(std::move(segment->column_gather_in));
-  context->scratch.give(std::move(segment->column_gathered));
-  if (shape.columns > 1) return row_allgather(context, segment);
-  finish(context, segment);
+  column_done(context, segment, segment->column_gather_in, segment->column_gathered);
 }
 
 // The column's sum of this rank's row part: the result's row part, to every row member.
@@ -432,10 +439,7 @@ void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment
   part.copy_(peers.data(segment->column_in, 0));
   accumulate_rows(part, peers.rows(segment->column_out), call.op);
   finish_average(part, call.op, shape.columns * shape.rows);
-  context->scratch.give(std::move(segment->column_in));
-  context->scratch.give(std::move(segment->column_out));
-  if (shape.columns > 1) return row_allgather(context, segment);
-  finish(context, segment);
+  column_done(context, segment, segment->column_in, segment->column_out);
 }
 
 // This rank's row part and the others' are the segment's result.
