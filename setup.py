@@ -1,20 +1,97 @@
-"""Builds one extension, torch_bigbatch._C: the C++ sources always, the CUDA sources (*.cu and
-the *_cuda.cpp glue) too when the installed torch has CUDA and nvcc is found."""
+"""Builds one extension, torch_bigbatch._C: the C++ sources always, and the CUDA half (*.cu and
+their ATen glue, *_cuda_glue.cpp) whenever the installed torch is a CUDA build, with or without
+a GPU. A CUDA torch with no CUDA toolkit stops the build with a message saying what to set,
+rather than building a package whose ops have no CUDA kernels; TORCH_BIGBATCH_CPU_ONLY=1 asks
+for the CPU half alone."""
 
 import glob
 import os
 import platform
+import re
+import shutil
+import subprocess
+from collections import Counter
 
 import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# The GPUs we target (A100, H100), and PTX that newer ones compile at load time. Used when the
+# user set no TORCH_CUDA_ARCH_LIST and no GPU is visible: torch finds no arch on its own then.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
 def sources(pattern):
     return sorted(glob.glob(os.path.join("csrc", "**", pattern), recursive=True))
+
+
+def check_object_names(files):
+    """setuptools puts each source's object at <stem>.o: two sources of one stem (foo.cpp beside
+    foo.cu) compile to one object, and ninja refuses the build with a less helpful message."""
+    stems = Counter(os.path.splitext(name)[0] for name in files)
+    clashes = sorted(name for name in files if stems[os.path.splitext(name)[0]] > 1)
+    if clashes:
+        raise SystemExit(f"torch_bigbatch: these sources would compile to one object file: "
+                         f"{', '.join(clashes)}; rename one of each pair")
+
+
+def toolkit_of_nvcc(nvcc):
+    """The toolkit folder of an nvcc found on PATH. It may be a link or a wrapper script outside
+    the toolkit (then torch's guess, the folder above it, has no CUDA headers): nvcc itself says
+    where it lives."""
+    try:
+        dry_run = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull],
+                                 capture_output=True, text=True, timeout=60)
+        found = re.search(r"^#\$ TOP=(.+)$", dry_run.stdout + dry_run.stderr, re.MULTILINE)
+    except (OSError, subprocess.SubprocessError):
+        found = None
+    top = found.group(1).strip() if found else os.path.dirname(os.path.dirname(nvcc))
+    return os.path.realpath(top)
+
+
+def is_toolkit(folder):
+    return (os.path.isfile(os.path.join(folder, "bin", "nvcc"))
+            and os.path.isfile(os.path.join(folder, "include", "cuda_runtime.h")))
+
+
+def cuda_toolkit():
+    """The CUDA toolkit to build the CUDA half with; stops the build with what to set when
+    there is none."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        folder = os.environ.get(variable)
+        if folder:
+            if not is_toolkit(folder):
+                raise SystemExit(f"torch_bigbatch: {variable}={folder} is not a CUDA toolkit (no "
+                                 "bin/nvcc or include/cuda_runtime.h in it): set it to the "
+                                 "toolkit's folder, for example /usr/local/cuda")
+            return folder
+    nvcc = shutil.which("nvcc")
+    candidates = [toolkit_of_nvcc(nvcc)] if nvcc else []
+    candidates.append("/usr/local/cuda")
+    for folder in candidates:
+        if is_toolkit(folder):
+            return folder
+    raise SystemExit(
+        f"torch_bigbatch: torch {torch.__version__} is a CUDA {torch.version.cuda} build, but no "
+        f"CUDA toolkit was found (looked at {', '.join(candidates)}): install one (nvcc "
+        f"{torch.version.cuda.split('.')[0]}.x) and set CUDA_HOME to its folder, or set "
+        "TORCH_BIGBATCH_CPU_ONLY=1 to build without the CUDA kernels")
+
+
+def with_cuda():
+    if os.environ.get("TORCH_BIGBATCH_CPU_ONLY") == "1":
+        print("torch_bigbatch: TORCH_BIGBATCH_CPU_ONLY=1: building the CPU half only")
+        return False
+    if torch.version.cuda is None:
+        print(f"torch_bigbatch: torch {torch.__version__} has no CUDA: building the CPU half")
+        return False
+    # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
+    os.environ["CUDA_HOME"] = cuda_toolkit()
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    print(f"torch_bigbatch: building the CUDA half with {os.environ['CUDA_HOME']} for "
+          f"{os.environ.get('TORCH_CUDA_ARCH_LIST') or 'the visible GPUs'}")
+    return True
 
 
 # ATen's SIMD vectors per capability: the flags a CPU must have, and the compiler's flags.
@@ -50,24 +127,27 @@ def cpu_capability_flags():
     return CAPABILITIES[choice][1]
 
 
-def extension():
-    cpp = [s for s in sources("*.cpp") if not s.endswith("_cuda.cpp")]
+def extension(cuda):
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension  # after with_cuda()
+    cpp = [s for s in sources("*.cpp") if not s.endswith("_cuda_glue.cpp")]
     # at::parallel_for is OpenMP in torch's builds: the pragma must be compiled in here too.
     args = {"cxx": ["-O3", "-fopenmp", *cpu_capability_flags()]}
-    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
-    if os.environ.get("TORCH_BIGBATCH_CPU_ONLY") == "1":
-        with_cuda = False
-    if with_cuda:
-        args["nvcc"] = ["-O3"]
-        return CUDAExtension("torch_bigbatch._C", cpp + sources("*_cuda.cpp") + sources("*.cu"),
-                             include_dirs=[CSRC], extra_compile_args=args,
-                             extra_link_args=["-fopenmp"])
-    return CppExtension("torch_bigbatch._C", cpp, include_dirs=[CSRC], extra_compile_args=args,
-                        extra_link_args=["-fopenmp"])
+    files = cpp + (sources("*_cuda_glue.cpp") + sources("*.cu") if cuda else [])
+    check_object_names(files)
+    if not cuda:
+        return CppExtension("torch_bigbatch._C", files, include_dirs=[CSRC],
+                            extra_compile_args=args, extra_link_args=["-fopenmp"])
+    args["cxx"].append("-DTORCH_BIGBATCH_WITH_CUDA")  # torch_bigbatch._C.WITH_CUDA
+    args["nvcc"] = ["-O3"]
+    return CUDAExtension("torch_bigbatch._C", files, include_dirs=[CSRC],
+                         extra_compile_args=args, extra_link_args=["-fopenmp"])
 
+
+CUDA = with_cuda()
+from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (reads CUDA_HOME)
 
 setup(
     packages=find_packages(include=["torch_bigbatch", "torch_bigbatch.*"]),
-    ext_modules=[extension()],
+    ext_modules=[extension(CUDA)],
     cmdclass={"build_ext": BuildExtension},
 )

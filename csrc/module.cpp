@@ -5,4 +5,13 @@
 
 #include "torus/torus_python.h"
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { torch_bigbatch::torus::bind_torus(m); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Whether the CUDA half (kernels and their glue) is linked in: setup.py builds it whenever
+  // torch is a CUDA build, and the tests of that build check it is.
+#ifdef TORCH_BIGBATCH_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  torch_bigbatch::torus::bind_torus(m);
+}

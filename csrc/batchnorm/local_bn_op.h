@@ -2,7 +2,7 @@
 // ATen glue of the ops torch_bigbatch::local_batch_norm and local_batch_norm_backward (schemas
 // in csrc/ops.cpp): local_bn_op.cpp checks the arguments, views the input as [N, C, S] in its
 // own memory order, allocates the outputs and scratch, and hands a BnPass to the launcher that
-// the input's device registered here (local_bn_cpu.cpp, local_bn_cuda.cpp), with the input,
+// the input's device registered here (local_bn_cpu.cpp, local_bn_cuda_glue.cpp), with the input,
 // whose device the CUDA kernels launch on.
 
 #include <ATen/ATen.h>
