@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -15,3 +17,18 @@ def assert_relative_close(actual, expected, tolerance, what=""):
     scale = expected.abs().max().clamp_min(1e-30)
     error = ((actual.double() - expected.double()).abs().max() / scale).item()
     assert error <= tolerance, f"{what}: relative error {error:.3g} > {tolerance:.1g}"
+
+
+# The tests of the CUDA-build environment (tests/cuda_build_env.py sets this): there they must
+# run, anywhere else they are skipped with the reason.
+IN_CUDA_BUILD_ENV = os.environ.get("TORCH_BIGBATCH_TEST_ENV") == "cuda-build"
+
+
+def pytest_collection_modifyitems(config, items):
+    if IN_CUDA_BUILD_ENV:
+        return
+    skip = pytest.mark.skip(reason="runs in the CUDA-build environment of `make test` (torch's "
+                            "CUDA build with torchvision: tests/cuda_build_env.py)")
+    for item in items:
+        if "cuda_build" in item.keywords:
+            item.add_marker(skip)
