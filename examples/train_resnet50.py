@@ -39,6 +39,8 @@ import torch_bigbatch as bb
 from torch_bigbatch.schedules import DistributedBatchSampler
 
 CHECKPOINT = "checkpoint.pt"
+MODELS = ("resnet50", "resnet18", "resnet_small")  # torch_bigbatch.models
+TORCHVISION_RESNET50 = "torchvision.resnet50"
 # What a checkpoint holds that resuming reads, and its type.
 CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
                      "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
@@ -84,8 +86,9 @@ def get_args_parser():
     parser.add_argument("--fashion-mnist-root", default=bb.data.fashion_mnist.DEFAULT_ROOT)
     parser.add_argument("--synthetic-size", type=POSITIVE, default=2048,
                         help="training images of --dataset synthetic (a quarter more to test)")
-    parser.add_argument("--model", choices=("resnet50", "resnet18", "resnet_small"),
-                        help="default: resnet50 on ImageNet, resnet_small otherwise")
+    parser.add_argument("--model", choices=(*MODELS, TORCHVISION_RESNET50),
+                        help="default: resnet50 on ImageNet, resnet_small otherwise; "
+                        f"{TORCHVISION_RESNET50}: torchvision's own, its BatchNorm made local")
     parser.add_argument("--epochs", type=POSITIVE,
                         help="train this many epochs, the recipe's schedule shrunk to fit")
     parser.add_argument("--batch-per-rank", type=POSITIVE, help="samples per rank per step")
@@ -111,8 +114,16 @@ def get_args_parser():
                         help="end this run after N epochs (checkpointed), to resume later")
     parser.add_argument("--stop-after-steps", type=NON_NEGATIVE, default=0,
                         help="end this run after N steps (checkpointed), even mid-epoch")
-    parser.add_argument("--workers", type=NON_NEGATIVE, default=8,
-                        help="data-loading processes (ImageNet; in-memory data needs none)")
+    parser.add_argument("--workers", type=NON_NEGATIVE,
+                        help="data-loading processes per rank (ImageNet; in-memory data needs "
+                        "none); default: the CPU cores of each rank on this machine")
+    # As in torchvision's reference recipe.
+    parser.add_argument("--train-crop-size", type=POSITIVE, default=224,
+                        help="ImageNet: the training images' random crop, pixels")
+    parser.add_argument("--val-resize-size", type=POSITIVE, default=256,
+                        help="ImageNet: evaluation images resized to this, pixels")
+    parser.add_argument("--val-crop-size", type=POSITIVE, default=224,
+                        help="ImageNet: then center-cropped to this, pixels")
     parser.add_argument("--print-every", type=POSITIVE, default=20,
                         help="steps between progress lines")
     # torch's generators take seeds below 2**64; the sampler adds the epoch.
@@ -182,9 +193,19 @@ def collate(batch):
     return batch if isinstance(batch, tuple) else default_collate(batch)
 
 
+def default_workers(local_world_size):
+    """The CPU cores each of this machine's ranks has (at least one loader process)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_world_size)
+
+
 def data_loader(dataset, batch_sampler, setup, args):
     """The one loader of every dataset; tensors in memory need no worker processes."""
-    workers = 0 if isinstance(dataset, TensorDataset) else args.workers
+    if isinstance(dataset, TensorDataset):
+        workers = 0
+    else:
+        workers = args.workers if args.workers is not None else default_workers(
+            setup.local_world_size)
     return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate,
                       num_workers=workers, pin_memory=setup.device.type == "cuda")
 
@@ -203,11 +224,13 @@ def load_data(dataset, args):
     from torchvision import datasets, transforms
     normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
-        transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+        transforms.RandomResizedCrop(args.train_crop_size), transforms.RandomHorizontalFlip(),
         transforms.ToTensor(), normalize]))
     test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
-        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(), normalize]))
-    return train, test, len(train.classes), 3
+        transforms.Resize(args.val_resize_size), transforms.CenterCrop(args.val_crop_size),
+        transforms.ToTensor(), normalize]))
+    # Each image's random crop and flip from (seed, epoch, index): a resume repeats them.
+    return bb.data.SeededSamples(train, args.seed), test, len(train.classes), 3
 
 
 def check_data(dataset, args):
@@ -292,6 +315,9 @@ class Setup:
                                    and not args.cpu else "cpu")
         if args.backend == "nccl" and self.device.type != "cuda":
             raise ValueError("--backend nccl needs CUDA devices: use torus or gloo on the CPU")
+        if self.model_name == TORCHVISION_RESNET50 and self.dataset != "imagenet":
+            raise ValueError(f"--model {TORCHVISION_RESNET50} takes 3-channel 224x224 images: "
+                             "use it with --dataset imagenet")
         self.check_batches(args)
         check_output(args.output)
         check_data(self.dataset, args)
@@ -390,6 +416,8 @@ def train_one_epoch(model, criterion, optimizer, scheduler, loader, epoch, epoch
     schedule, steps, span = setup.schedule, setup.iterations[epoch], setup.span
     first = span.first_step(epoch)
     loader.batch_sampler.set_epoch(epoch, first_batch=first)
+    if hasattr(loader.dataset, "set_epoch"):  # seeded augmentation (before the workers start)
+        loader.dataset.set_epoch(epoch)
     start = time.time()
     for step, (images, labels) in enumerate(loader, first):
         loss = train_step(model, criterion, optimizer, images, labels, setup.device,
@@ -477,6 +505,21 @@ def format_seconds(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
 
 
+def build_model(name, classes, channels, recipe):
+    """One of torch_bigbatch's ResNets, or torchvision's ResNet-50 with the recipe's local
+    BatchNorm and zero-initialized residual BatchNorm put in."""
+    if name == TORCHVISION_RESNET50:
+        import torchvision
+        model = torchvision.models.resnet50(num_classes=classes,
+                                            zero_init_residual=recipe.zero_init_residual)
+        if recipe.bn_group_size == 0:
+            return model
+        return bb.nn.convert_local_batchnorm(model, recipe.bn_group_size)
+    return getattr(bb.models, name)(num_classes=classes, in_channels=channels,
+                                    bn_group_size=recipe.bn_group_size,
+                                    zero_init_residual=recipe.zero_init_residual)
+
+
 def describe_backend():
     """The process group's backend, with the shape the torus really got: "torus (2x2)"."""
     backend = dist.get_backend()
@@ -508,10 +551,7 @@ def main(args):
                             timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
 
-    build = getattr(bb.models, setup.model_name)
-    model = build(num_classes=setup.classes, in_channels=setup.channels,
-                  bn_group_size=recipe.bn_group_size,
-                  zero_init_residual=recipe.zero_init_residual).to(device)
+    model = build_model(setup.model_name, setup.classes, setup.channels, recipe).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     optimizer = recipe.build_optimizer(model, setup.world_size)

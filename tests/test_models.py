@@ -3,6 +3,7 @@ key list written from its architecture; torchvision itself too when it is instal
 
 import importlib.util
 
+import pytest
 import torch
 from torch import nn
 
@@ -87,3 +88,19 @@ def test_small_resnet_trains_on_fashion_mnist_shapes():
         losses.append(loss.item())
     assert model(x).shape == (32, 10)
     assert losses[-1] < 0.5 * losses[0]  # fits one batch
+
+
+@pytest.mark.cuda_build  # needs torchvision
+def test_resnet50_loads_torchvisions_weights_and_computes_the_same():
+    import torchvision
+    torch.manual_seed(0)
+    theirs = torchvision.models.resnet50().eval()
+    ours = bb.models.resnet50().eval()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    with torch.no_grad():  # trained-looking statistics, so eval-mode BN is not the identity
+        for name, buffer in theirs.named_buffers():
+            if name.endswith(("running_mean", "running_var")):
+                buffer.uniform_(0.5, 1.5)
+        ours.load_state_dict(theirs.state_dict(), strict=True)
+        x = torch.randn(2, 3, 224, 224)
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
