@@ -501,3 +501,22 @@ def test_op_is_differentiable():
                                                  2 * y.detach(), 4)
     assert_relative_close(x.grad, grad_x, 1e-10, "grad_input")
     assert_relative_close(w.grad, grad_w, 1e-10, "grad_weight")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_outliers_keep_the_variance_exact(device, channels_last):
+    """Values far from their group's mean, one outlier among them as every group's first value
+    and another amid the data: float32 statistics and output against float64's on the same
+    float32 inputs. (A sum of squares shifted by the group's first value lost 1e-3 to 1e-2 of
+    the variance here.)"""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4, 40, 40, generator=generator) * 0.5 + 1000.0  # 102,400 values a group
+    x[::32, :, 0, 0] = 1e5  # every group's first value
+    x[5, :, 7, 9] = -3e4
+    layer = bb.nn.LocalBatchNorm2d(4, group_size=32, momentum=1.0).to(device)
+    y = layer(memory_format(x.to(device), channels_last))
+    y_ref, mean, var = reference(x, None, None, 32)
+    assert_relative_close(layer.running_var.cpu(), var, 1e-5, "running_var")
+    assert_relative_close(layer.running_mean.cpu(), mean, 1e-6, "running_mean")
+    assert_relative_close(y.cpu(), y_ref, 1e-4, "output")

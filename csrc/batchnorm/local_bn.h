@@ -5,17 +5,20 @@
 // The input is viewed as [N, C, S] (S: the product of the spatial sizes). Samples are split
 // into consecutive groups of group_size; a tail of one sample joins the group before it (a
 // group of one sample has no variance). Both passes run the same four steps:
-//   1. per (sample, channel): two sums over the S values
-//        forward   sum(d), sum(d^2)       with d = x - K[g, c], K the group's first value
+//   1. per (sample, channel): over its S values
+//        forward   their mean m and sum of squared deviations M2, in two passes (the mean,
+//                  then sum(d) and sum(d^2) with d = x - mean, the second pass from cache)
 //        backward  sum(dy), sum(dy * d)   with d = x - mean[g, c]
-//   2. per (group, channel): the sums of its samples give the group's statistics (forward) or
-//      gradient sums (backward), and the coefficients of step 4
+//   2. per (group, channel): its samples' values give the group's statistics (forward: their
+//      means and M2s merged as Chan et al.'s parallel variance does) or gradient sums
+//      (backward), and the coefficients of step 4
 //   3. per channel: the averages over groups of the group means and unbiased variances, which
 //      the running statistics move towards (forward), or grad_weight and grad_bias (backward)
 //   4. per element, with v = x - mean[g, c]: y = a v + c (forward), dx = a dy + b v + c
 //      (backward); centering first keeps float exact where |mean| is large against the spread
-// Shifting by K keeps the one-pass variance exact enough in float: the sums are of values of
-// the size of the group's spread, not of its mean.
+// Centering each sample at its own mean keeps the variance exact in float whatever the data:
+// no sum of squares cancels against a large mean or an outlying value (a one-pass sum shifted
+// by the group's first value lost 1e-3 to 1e-2 of the variance to one outlier there).
 
 #include <cmath>
 #include <cstdint>
@@ -87,16 +90,25 @@ BB_HOST_DEVICE Coefficients<A> coefficients_of(const BnPass& p) {
   return {tables, tables + table, tables + 2 * table};
 }
 
-// Step 2 of one (group, channel) from the sums of its samples over `count` values.
-// Forward: the statistics, the values step 3 averages (mean, unbiased variance) and
-// y = a (x - mean) + c.
+// Step 1's values of one (sample, channel) from its S values' first-pass mean `center` and
+// second-pass sums of d = x - center: its mean and sum of squared deviations (M2), corrected
+// for the rounding of `center`.
+// An infinite center (an inf among the values) is the mean itself, as in nn.BatchNorm; its d
+// are inf or NaN, so M2 is NaN there, as nn.BatchNorm's variance is.
 template <typename A>
-BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A shift, A sum,
-                                  A sum_squares, A count) {
-  const A centered_mean = sum / count;
-  A variance = sum_squares / count - centered_mean * centered_mean;
+BB_HOST_DEVICE void sample_moments(A* out, A center, A sum, A sum_squares, A count) {
+  const bool finite = center - center == A(0);
+  out[0] = finite ? center + sum / count : center;
+  out[1] = sum_squares - sum * sum / count;
+}
+
+// Step 2 of one (group, channel), forward, from its mean and M2 over `count` values: the
+// statistics, the values step 3 averages (mean, unbiased variance) and y = a (x - mean) + c.
+template <typename A>
+BB_HOST_DEVICE void group_forward(const BnPass& p, int64_t gc, int64_t c, A mean, A m2,
+                                  A count) {
+  A variance = m2 / count;
   variance = variance < A(0) ? A(0) : variance;  // rounding below 0; NaN stays NaN
-  const A mean = shift + centered_mean;
   const A invstd = A(1) / sqrt(variance + A(p.eps));
   const A weight = p.weight != nullptr ? static_cast<const A*>(p.weight)[c] : A(1);
   const A bias = p.bias != nullptr ? static_cast<const A*>(p.bias)[c] : A(0);

@@ -1,5 +1,6 @@
 // CPU kernels of local BatchNorm: the four steps of local_bn.h, each one parallel loop with
-// ATen's SIMD vectors. Step 1 reads the input once; step 4 reads it once more and writes.
+// ATen's SIMD vectors. Step 1 reads the input once from memory (the forward's second pass over
+// a sample's values finds them in cache); step 4 reads it once more and writes.
 
 #include <ATen/Parallel.h>
 
@@ -47,10 +48,9 @@ class CpuPass {
                      [&](int64_t first, int64_t last) {
       for (int64_t row = first; row < last; ++row) {
         const int64_t n = row / L.channels, c = row % L.channels, g = L.group_of(n);
-        const A center = kBackward ? mean[g * L.channels + c]
-                                   : A(input[L.index(L.group_begin(g), c, 0)]);
-        const Vec k(center);
         const T* x = input + row * L.spatial;
+        const A center = kBackward ? mean[g * L.channels + c] : row_mean(x);
+        const Vec k(center);
         const T* dy = kBackward ? grad_output + row * L.spatial : nullptr;
         Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};  // sums of q1 and q2, lo and hi
         for (int64_t s = 0; s < L.spatial; s += kStep) {
@@ -77,10 +77,34 @@ class CpuPass {
             }
           }
         }
-        sums[2 * row] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
-        sums[2 * row + 1] = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
+        const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
+        const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
+        store_sample(sums + 2 * row, center, q1, q2);
       }
     });
+  }
+
+  // The mean of a row of S contiguous values (the forward's first pass).
+  A row_mean(const T* x) const {
+    Vec total[2] = {Vec(A(0)), Vec(A(0))};  // past count, load_pair gives zeros
+    for (int64_t s = 0; s < L.spatial; s += kStep) {
+      Vec v[2];
+      load_pair(x + s, std::min(kStep, L.spatial - s), v[0], v[1]);
+      total[0] = total[0] + v[0];
+      total[1] = total[1] + v[1];
+    }
+    return at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]) / A(L.spatial);
+  }
+
+  // Step 1's two values of a (sample, channel): sums of dy and dy d (backward), or the
+  // sample's mean and M2 from its center and the sums of d and d^2 (forward).
+  void store_sample(A* out, A center, A q1, A q2) const {
+    if constexpr (kBackward) {
+      out[0] = q1;
+      out[1] = q2;
+    } else {
+      sample_moments<A>(out, center, q1, q2, A(L.spatial));
+    }
   }
 
   // Step 1 in [N, S, C] memory: a task takes one sample and kStep channels, whose values are
@@ -95,7 +119,7 @@ class CpuPass {
         if (kBackward)
           load_pair(mean + g * L.channels + c, count, k[0], k[1]);
         else
-          load_pair(input + L.index(L.group_begin(g), c, 0), count, k[0], k[1]);
+          channel_means(n, c, count, k);
         Vec total[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
         for (int64_t block = 0; block < L.spatial; block += kBlockRows) {
           Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};
@@ -116,15 +140,36 @@ class CpuPass {
           }
           for (int i = 0; i < 4; ++i) total[i] = total[i] + q[i];
         }
-        alignas(64) A values[4][Vec::size()];
+        alignas(64) A values[4][Vec::size()], centers[2][Vec::size()];
         for (int i = 0; i < 4; ++i) total[i].store(values[i]);
+        for (int h = 0; h < 2; ++h) k[h].store(centers[h]);
         for (int64_t j = 0; j < count; ++j) {
           const int h = j / Vec::size(), lane = j % Vec::size();
-          sums[2 * (n * L.channels + c + j)] = values[h][lane];
-          sums[2 * (n * L.channels + c + j) + 1] = values[2 + h][lane];
+          store_sample(sums + 2 * (n * L.channels + c + j), centers[h][lane], values[h][lane],
+                       values[2 + h][lane]);
         }
       }
     });
+  }
+
+  // The means over the S rows of sample n's channels c .. c + count in [N, S, C] memory (the
+  // forward's first pass), as two vectors; zeros past count.
+  void channel_means(int64_t n, int64_t c, int64_t count, Vec* means) const {
+    Vec total[2] = {Vec(A(0)), Vec(A(0))};
+    for (int64_t block = 0; block < L.spatial; block += kBlockRows) {
+      Vec q[2] = {Vec(A(0)), Vec(A(0))};
+      for (int64_t s = block; s < std::min(block + kBlockRows, L.spatial); ++s) {
+        Vec v[2];
+        load_pair(input + L.index(n, c, s), count, v[0], v[1]);
+        q[0] = q[0] + v[0];
+        q[1] = q[1] + v[1];
+      }
+      total[0] = total[0] + q[0];
+      total[1] = total[1] + q[1];
+    }
+    const Vec samples(A(L.spatial));
+    means[0] = total[0] / samples;
+    means[1] = total[1] / samples;
   }
 
   // Steps 2 and 3: a task per channel walks its groups, then the channel's totals.
@@ -133,17 +178,26 @@ class CpuPass {
       for (int64_t c = first; c < last; ++c) {
         A first_total = 0, second_total = 0;
         for (int64_t g = 0; g < L.groups; ++g) {
+          const int64_t begin = L.group_begin(g), end = L.group_end(g);
           A q1 = 0, q2 = 0;
-          for (int64_t n = L.group_begin(g); n < L.group_end(g); ++n) {
+          for (int64_t n = begin; n < end; ++n) {
             q1 += sums[2 * (n * L.channels + c)];
             q2 += sums[2 * (n * L.channels + c) + 1];
           }
           const int64_t gc = g * L.channels + c;
-          const A count = A((L.group_end(g) - L.group_begin(g)) * L.spatial);
-          if constexpr (kBackward)
+          const A count = A((end - begin) * L.spatial);
+          if constexpr (kBackward) {
             group_backward<A>(p, gc, c, q1, q2, count);
-          else
-            group_forward<A>(p, gc, c, A(input[L.index(L.group_begin(g), c, 0)]), q1, q2, count);
+          } else {  // q1: the sum of the samples' means; the M2s merge around the group's mean
+            const A group_mean = q1 / A(end - begin);
+            A m2 = 0;
+            for (int64_t n = begin; n < end; ++n) {
+              const A* moments = sums + 2 * (n * L.channels + c);
+              const A shift = moments[0] - group_mean;
+              m2 += moments[1] + A(L.spatial) * shift * shift;
+            }
+            group_forward<A>(p, gc, c, group_mean, m2, count);
+          }
           first_total += static_cast<const A*>(p.group_values)[2 * gc];
           second_total += static_cast<const A*>(p.group_values)[2 * gc + 1];
         }

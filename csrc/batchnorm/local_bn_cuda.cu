@@ -1,6 +1,7 @@
 // CUDA kernels of local BatchNorm: the four steps of local_bn.h, one launch each.
 //   1. a warp per (sample, channel) row ([N, C, S] memory), or a block per (sample, 32
-//      channels) walking the rows of [N, S, C] memory: sums of the sample, no atomics
+//      channels) walking the rows of [N, S, C] memory: sums of the sample, no atomics (the
+//      forward reads the sample twice: its mean, then the deviations, the second from cache)
 //   2. a warp per (group, channel): the group's sums, statistics and coefficients
 //   3. a thread per channel: the groups' average statistics, or grad_weight and grad_bias
 //   4. a grid-stride elementwise loop with 16-byte accesses, one wave of resident blocks
@@ -38,12 +39,17 @@ __device__ __forceinline__ void accumulate(A x, A dy, A center, A& q1, A& q2) {
   q2 += u * d;
 }
 
-// The value step 1 subtracts for (group, channel): the group's first value (forward) or its mean.
-template <bool kBackward, typename T>
-__device__ __forceinline__ acc_t<T> center_of(const BnPass& p, int64_t g, int64_t c) {
-  const BnLayout& l = p.layout;
-  if (kBackward) return static_cast<const acc_t<T>*>(p.mean)[g * l.channels + c];
-  return to_acc(static_cast<const T*>(p.input)[l.index(l.group_begin(g), c, 0)]);
+// Step 1's two values of a (sample, channel): the sums of dy and dy d (backward), or the
+// sample's mean and M2 (forward) from its center and the sums of d and d^2.
+template <bool kBackward, typename A>
+__device__ __forceinline__ void store_sample(const BnPass& p, int64_t nc, A center, A q1, A q2) {
+  A* out = static_cast<A*>(p.sample_sums) + 2 * nc;
+  if (kBackward) {
+    out[0] = q1;
+    out[1] = q2;
+  } else {
+    sample_moments<A>(out, center, q1, q2, A(p.layout.spatial));
+  }
 }
 
 // Step 1, [N, C, S]: warp w sums the contiguous row w = n * C + c.
@@ -56,11 +62,35 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
   const int lane = threadIdx.x % 32;
   if (row >= l.batch * l.channels) return;  // whole warps
   const int64_t c = row % l.channels;
-  const A center = center_of<kBackward, T>(p, l.group_of(row / l.channels), c);
   const T* x = static_cast<const T*>(p.input) + row * l.spatial;
   const T* dy = kBackward ? static_cast<const T*>(p.grad_output) + row * l.spatial : nullptr;
+  // The row's values, packed where their alignment allows: visit(i, Width<N>) at each start.
+  auto each = [&](auto&& visit) {
+    int64_t tail = 0;
+    if (packed) {
+      const int64_t packs = l.spatial / W;
+#pragma unroll 4
+      for (int64_t k = lane; k < packs; k += 32) visit(k * W, Width<W>());
+      tail = packs * W;
+    }
+#pragma unroll 4
+    for (int64_t i = tail + lane; i < l.spatial; i += 32) visit(i, Width<1>());
+  };
+  A center;
+  if constexpr (kBackward) {
+    center = static_cast<const A*>(p.mean)[l.group_of(row / l.channels) * l.channels + c];
+  } else {  // the first pass: the row's mean
+    A total = 0;
+    each([&](int64_t i, auto width) {
+      constexpr int N = decltype(width)::value;
+      const Pack<T, N> xs = load_pack<N>(x, i);
+#pragma unroll
+      for (int j = 0; j < N; ++j) total += to_acc(xs.v[j]);
+    });
+    center = warp_sum(total) / A(l.spatial);
+  }
   A q1 = 0, q2 = 0;
-  auto visit = [&](int64_t i, auto width) {
+  each([&](int64_t i, auto width) {
     constexpr int N = decltype(width)::value;
     const Pack<T, N> xs = load_pack<N>(x, i);
     Pack<T, N> dys;
@@ -68,23 +98,10 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
 #pragma unroll
     for (int j = 0; j < N; ++j)
       accumulate<kBackward>(to_acc(xs.v[j]), kBackward ? to_acc(dys.v[j]) : A(0), center, q1, q2);
-  };
-  int64_t tail = 0;
-  if (packed) {
-    const int64_t packs = l.spatial / W;
-#pragma unroll 4
-    for (int64_t k = lane; k < packs; k += 32) visit(k * W, Width<W>());
-    tail = packs * W;
-  }
-#pragma unroll 4
-  for (int64_t i = tail + lane; i < l.spatial; i += 32) visit(i, Width<1>());
+  });
   q1 = warp_sum(q1);
   q2 = warp_sum(q2);
-  if (lane == 0) {
-    A* sums = static_cast<A*>(p.sample_sums) + 2 * row;
-    sums[0] = q1;
-    sums[1] = q2;
-  }
+  if (lane == 0) store_sample<kBackward>(p, row, center, q1, q2);
 }
 
 // Step 1, [N, S, C]: block (n, tile) has a thread per (channel of the tile, row lane); the
@@ -93,16 +110,35 @@ template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPass p) {
   using A = acc_t<T>;
   __shared__ A partial[2][kWarps][kChannelTile + 1];
+  __shared__ A centers[kChannelTile];
   const BnLayout& l = p.layout;
   const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
   const int64_t n = blockIdx.x / tiles;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t c = blockIdx.x % tiles * kChannelTile + lane;
+  const bool active = c < l.channels;
+  const T* x = static_cast<const T*>(p.input);
+  const T* dy = static_cast<const T*>(p.grad_output);
+  if constexpr (kBackward) {
+    if (warp == 0 && active)
+      centers[lane] = static_cast<const A*>(p.mean)[l.group_of(n) * l.channels + c];
+  } else {  // the first pass: each channel's mean over the sample's S rows
+    A total = 0;
+    if (active) {
+#pragma unroll 4
+      for (int64_t s = warp; s < l.spatial; s += kWarps) total += to_acc(x[l.index(n, c, s)]);
+    }
+    partial[0][warp][lane] = total;
+    __syncthreads();
+    if (warp == 0) {
+      for (int w = 1; w < kWarps; ++w) total += partial[0][w][lane];
+      centers[lane] = total / A(l.spatial);
+    }
+  }
+  __syncthreads();  // the centers are in; the first pass's partials are read
+  const A center = centers[lane];
   A q1 = 0, q2 = 0;
-  if (c < l.channels) {
-    const A center = center_of<kBackward, T>(p, l.group_of(n), c);
-    const T* x = static_cast<const T*>(p.input);
-    const T* dy = static_cast<const T*>(p.grad_output);
+  if (active) {
 #pragma unroll 4
     for (int64_t s = warp; s < l.spatial; s += kWarps) {
       const int64_t at = l.index(n, c, s);
@@ -112,14 +148,12 @@ __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPa
   partial[0][warp][lane] = q1;
   partial[1][warp][lane] = q2;
   __syncthreads();
-  if (warp == 0 && c < l.channels) {
+  if (warp == 0 && active) {
     for (int w = 1; w < kWarps; ++w) {
       q1 += partial[0][w][lane];
       q2 += partial[1][w][lane];
     }
-    A* sums = static_cast<A*>(p.sample_sums) + 2 * (n * l.channels + c);
-    sums[0] = q1;
-    sums[1] = q2;
+    store_sample<kBackward>(p, n * l.channels + c, center, q1, q2);
   }
 }
 
@@ -133,19 +167,28 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const BnPass p) {
   if (gc >= l.groups * l.channels) return;  // whole warps
   const int64_t g = gc / l.channels, c = gc % l.channels;
   const A* sums = static_cast<const A*>(p.sample_sums);
+  const int64_t begin = l.group_begin(g), end = l.group_end(g);
   A q1 = 0, q2 = 0;
-  for (int64_t n = l.group_begin(g) + lane; n < l.group_end(g); n += 32) {
+  for (int64_t n = begin + lane; n < end; n += 32) {
     q1 += sums[2 * (n * l.channels + c)];
     q2 += sums[2 * (n * l.channels + c) + 1];
   }
   q1 = warp_sum(q1);
   q2 = warp_sum(q2);
-  if (lane != 0) return;
-  const A count = A((l.group_end(g) - l.group_begin(g)) * l.spatial);
-  if constexpr (kBackward)
-    group_backward<A>(p, gc, c, q1, q2, count);
-  else
-    group_forward<A>(p, gc, c, center_of<false, T>(p, g, c), q1, q2, count);
+  const A count = A((end - begin) * l.spatial);
+  if constexpr (kBackward) {
+    if (lane == 0) group_backward<A>(p, gc, c, q1, q2, count);
+  } else {  // q1: the sum of the samples' means; the M2s merge around the group's mean
+    const A group_mean = q1 / A(end - begin);
+    A m2 = 0;
+    for (int64_t n = begin + lane; n < end; n += 32) {
+      const A* moments = sums + 2 * (n * l.channels + c);
+      const A shift = moments[0] - group_mean;
+      m2 += moments[1] + A(l.spatial) * shift * shift;
+    }
+    m2 = warp_sum(m2);
+    if (lane == 0) group_forward<A>(p, gc, c, group_mean, m2, count);
+  }
 }
 
 // Step 3: thread c sums its channel's group values over the groups.
