@@ -19,6 +19,9 @@ class DeviceLaunchers {
     Register(c10::DeviceType device, Launcher launcher) { slot(device) = launcher; }
   };
 
+  // The launcher of `device`, or nullptr where this build has none.
+  static Launcher find(c10::DeviceType device) { return slot(device); }
+
   static Launcher get(c10::DeviceType device, const char* op) {
     const Launcher launcher = slot(device);
     TORCH_CHECK(launcher != nullptr, op, ": this build of torch_bigbatch has no kernel for ",

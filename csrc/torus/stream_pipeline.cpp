@@ -1,6 +1,7 @@
 #include "torus/stream_pipeline.h"
 
 #include "torus/flat_buffer.h"
+#include "torus/local_reduce.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -10,26 +11,9 @@
 #include <deque>
 
 namespace torch_bigbatch::torus {
-namespace {
-
-// Whether the device has finished with a Work's tensors. A device that cannot tell (an error, a
-// driver shutting down) counts as not finished, so that nothing is freed under it.
-bool device_done(const StreamWork& work) {
-  try {
-    return work.device_done();
-  } catch (...) {
-    return false;
-  }
-}
-
-}  // namespace
-
-StreamPipeline::StreamPipeline(TorusShape shape, Engines engines, int64_t segment_bytes,
+StreamPipeline::StreamPipeline(TorusShape shape, Engines engines,
                                std::chrono::milliseconds timeout)
-    : engines_(std::move(engines)),
-      segment_bytes_(segment_bytes),
-      context_(std::make_shared<PipelineContext>(shape, timeout)) {
-  TORCH_CHECK(segment_bytes_ > 0, "torus: segment_bytes must be positive, got ", segment_bytes_);
+    : engines_(std::move(engines)), context_(std::make_shared<PipelineContext>(shape, timeout)) {
   if (shape.columns > 1) active_.push_back(0);
   if (shape.rows > 1) active_.push_back(1);
   if (shape.columns > 1) active_.push_back(2);
@@ -47,8 +31,10 @@ StreamPipeline::~StreamPipeline() {
 
 c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor> inputs,
                                                          c10d::ReduceOp op,
-                                                         c10d::OpType op_type) {
+                                                         c10d::OpType op_type,
+                                                         int64_t segment_bytes) {
   TORCH_INTERNAL_ASSERT(!active_.empty(), "a torus of one rank has no phases");
+  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
   TORCH_CHECK(op.op_ != c10d::ReduceOp::BAND && op.op_ != c10d::ReduceOp::BOR &&
                   op.op_ != c10d::ReduceOp::BXOR,
               "torus allreduce: NCCL has no bitwise reductions; ReduceOp BAND, BOR and BXOR "
@@ -58,7 +44,7 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
   const c10::Device device = inputs.front().device();
   const DeviceStreams& streams = streams_for(device);
   DeviceWork device_work(device.type());
-  std::exception_ptr error = enqueue(inputs, op, streams, device_work);
+  std::exception_ptr error = enqueue(inputs, op, streams, segment_bytes, device_work);
   auto work = c10::make_intrusive<StreamWork>(context_, op_type, std::move(inputs),
                                               std::move(device_work), streams.completion);
   // A phase that could not be enqueued fails the pipeline at once; the phases enqueued before
@@ -86,7 +72,7 @@ const StreamPipeline::DeviceStreams& StreamPipeline::streams_for(c10::Device dev
 // whose collective could not be enqueued (none after it is).
 std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs,
                                            const c10d::ReduceOp& op,
-                                           const DeviceStreams& streams,
+                                           const DeviceStreams& streams, int64_t segment_bytes,
                                            DeviceWork& device_work) {
   const c10::Device device = inputs.front().device();
   const int64_t columns = context_->shape.columns;
@@ -102,14 +88,19 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
     reduced = columns > 1 ? at::empty({buffer.flat.numel() / columns}, buffer.flat.options())
                           : buffer.flat;
   }
-  device_work.buffers = {buffer.flat, reduced};
-  const auto spans = buffer.segments(segment_bytes_);
+  const auto spans = buffer.segments(segment_bytes);
   device_work.segments = static_cast<int64_t>(spans.size());
+  device_work.numel = buffer.flat.numel();
+  device_work.kind = call_kind(buffer.flat.scalar_type(), op);
+  std::exception_ptr error = compare_calls(first, device_work);
+  device_work.buffers.insert(device_work.buffers.end(), {buffer.flat, reduced});
 
-  // NCCL has AVG: over X in the row and then over Y in the column, it averages over X*Y.
-  std::exception_ptr error;
+  // AVG is summed and divided once at the end: NCCL's AVG in the row and again in the column
+  // would round twice.
+  const c10d::ReduceOp engine = engine_op(op);
   std::vector<c10::intrusive_ptr<c10d::Work>> latest(spans.size());  // per segment
   for (size_t index : active_) {
+    if (error) break;
     const Phase phase = kPhaseOrder[index];
     c10::StreamGuard on_phase(streams.phase[index]);
     for (size_t k = 0; k < spans.size(); ++k) {
@@ -118,7 +109,7 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
       at::Tensor part_reduced = reduced.narrow(0, begin / columns, length / columns);
       try {
         if (latest[k]) latest[k]->synchronize();  // this phase's stream waits for the last one
-        latest[k] = issue(phase, part, part_reduced, op);
+        latest[k] = issue(phase, part, part_reduced, engine);
       } catch (...) {
         error = context_->phase_failed(phase, static_cast<int64_t>(k), device_work.segments,
                                        std::current_exception());
@@ -126,14 +117,48 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
       }
       device_work.phases.push_back({phase, static_cast<int64_t>(k), latest[k]});
     }
-    if (error) break;
   }
 
   c10::StreamGuard on_finish(streams.finish);
   for (const auto& phase : device_work.phases) phase.work->synchronize();
-  if (!error) buffer.copy_out();
+  if (!error) {
+    finish_average(buffer.flat, op, context_->shape.columns * context_->shape.rows);
+    buffer.copy_out();
+  }
   device_work.done.record(streams.finish);
   return error;
+}
+
+// Before any data moves, the ranks compare their calls (element count, dtype, op): one small
+// allreduce of the whole group, which the first phase's stream waits for. Its result comes to
+// host memory for the watcher (StreamWork::disagreement), so ranks that passed different
+// buffers fail with a message that says so, even where the data phases then hang.
+std::exception_ptr StreamPipeline::compare_calls(const c10::Stream& first,
+                                                 DeviceWork& device_work) {
+  c10::StreamGuard on_first(first);
+  const auto pinned = at::TensorOptions(at::kLong).pinned_memory(true);
+  at::Tensor call = at::empty({4}, pinned);
+  int64_t* values = call.data_ptr<int64_t>();
+  values[0] = device_work.numel;
+  values[1] = device_work.kind;
+  values[2] = -device_work.numel;
+  values[3] = -device_work.kind;
+  std::vector<at::Tensor> compared{call.to(first.device(), /*non_blocking=*/true)};
+  try {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    auto work = engines_.whole->allreduce(compared, options);
+    work->synchronize();  // the first phase's stream waits for it
+    device_work.phases.push_back({Phase::Agreement, 0, work});
+  } catch (...) {
+    return context_->phase_failed(Phase::Agreement, 0, device_work.segments,
+                                  std::current_exception());
+  }
+  device_work.agreement = at::empty({4}, pinned);
+  device_work.agreement.copy_(compared[0], /*non_blocking=*/true);
+  device_work.agreed.record(first);
+  device_work.buffers.push_back(compared[0]);
+  return nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> StreamPipeline::issue(Phase phase, at::Tensor& part,
@@ -175,7 +200,28 @@ void StreamPipeline::watch() {
     work->fail(shut_down);
     // Still in flight (a hung collective, or one nobody waited for): its tensors stay allocated
     // rather than go back to the caching allocator while a stream may still write them.
-    if (!device_done(*work)) (void)work.release();
+    if (!device_finished(*work)) (void)work.release();
+  }
+}
+
+void StreamPipeline::prepare_watcher(c10::Device device) {
+  if (watcher_device_ == device) return;
+  if (auto setup = WatcherSetups::find(device.type())) {
+    setup(device);
+  } else {
+    c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+  }
+  watcher_device_ = device;
+}
+
+// Whether the device has finished with a Work's tensors. A device that cannot tell (an error, a
+// driver shutting down) counts as not finished, so that nothing is freed under it.
+bool StreamPipeline::device_finished(const StreamWork& work) {
+  try {
+    prepare_watcher(work.device());
+    return work.device_done();
+  } catch (...) {
+    return false;
   }
 }
 
@@ -187,6 +233,7 @@ void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
     if (work->settled()) continue;
     try {
       if (!older_running) {
+        prepare_watcher(work->device());
         work->poll();
         older_running = !work->settled();
       } else if (auto failure = context_->failure()) {
@@ -196,7 +243,7 @@ void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
       work->fail(std::current_exception());  // a device error while querying an event
     }
   }
-  while (!watched.empty() && watched.front()->settled() && device_done(*watched.front())) {
+  while (!watched.empty() && watched.front()->settled() && device_finished(*watched.front())) {
     watched.pop_front();
   }
 }

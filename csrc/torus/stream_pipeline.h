@@ -6,7 +6,9 @@
 // stream; they run no collective, they only order them. Before phase p of segment k is
 // enqueued, the stream of phase p waits for exactly one thing:
 //   - the reduce-scatter stream (the first phase's) for the caller's current stream, since the
-//     inputs are ready there; the copy into a flat buffer, when there is one, runs on it too;
+//     inputs are ready there, and then for the comparison of the ranks' calls (one small
+//     allreduce of the whole group: count, dtype and op); the copy into a flat buffer, when
+//     there is one, runs on it too;
 //   - the column stream for the reduce-scatter of segment k;
 //   - the allgather stream for the column allreduce (or, with one row, the reduce-scatter) of k.
 // Each stream thus accumulates waits on one engine, whose own stream runs in order, so what it
@@ -18,10 +20,12 @@
 // never interleaved with another call's, so every group sees its collectives in the same order
 // on every rank.
 //
-// Completion. The finish stream waits for every phase of the call, copies the result back when
-// the flat buffer is a copy, and records the Work's `done` event. done events complete in call
+// Completion. The finish stream waits for every phase of the call, divides an AVG (the engines
+// sum: one rounding), copies the result back when the flat buffer is a copy, and records the
+// Work's `done` event. done events complete in call
 // order (one finish stream per device). A watcher thread polls the oldest unsettled Works (every
-// kPollInterval): a phase with an error fails its Work with the phase named, a late Work fails
+// kPollInterval): calls that differ between ranks fail their Work as soon as the comparison
+// arrives, a phase with an error fails its Work with the phase named, a late Work fails
 // naming the phase it waits for, and a Work whose done event has completed completes its future
 // with the outputs. After the first failure every pending and later allreduce fails, as on the
 // host pipeline, so nothing pairs with the wrong peer.
@@ -30,13 +34,20 @@
 // watcher holds the Work until its done event has completed, also after a failure, so no tensor
 // goes back to the caching allocator while one of these streams may still use it.
 //
-// Host. allreduce() never blocks. wait() blocks until the Work is settled (bounded by its timeout
-// or the pipeline's), then throws the named error or makes the current stream wait for done; a
-// wait whose timeout passes fails the Work as the pipeline's own timeout would. The future
-// completes on the watcher thread, so its then() callbacks run there, as Gloo's run on its
-// worker threads; a callback must not block on another torus collective.
+// Host. allreduce() never blocks, nor does wait(): as with ProcessGroupNCCL, it makes the current
+// stream wait for done (and throws a failure known by then); wait(timeout) blocks the host until
+// the Work is settled, and one whose timeout passes fails the Work as the pipeline's own timeout
+// would. The future completes on the watcher thread, so its then() callbacks run there, as
+// Gloo's run on its worker threads; a callback must not block on another torus collective.
+// Failures reach the future, isSuccess() and exception(), and every later allreduce refuses.
+//
+// The watcher thread makes the device of the Work it polls current (else its first event query
+// would create a context on GPU 0) and, through the device's glue, puts the thread in
+// thread-local stream-capture mode (a query in global mode would invalidate a CUDA graph that
+// another thread is capturing), as ProcessGroupNCCL's watchdog does.
 #pragma once
 
+#include "common/device_launchers.h"
 #include "torus/stream_work.h"
 #include "torus/topology.h"
 
@@ -50,6 +61,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -57,16 +69,15 @@ namespace torch_bigbatch::torus {
 
 class StreamPipeline {
  public:
-  StreamPipeline(TorusShape shape, Engines engines, int64_t segment_bytes,
-                 std::chrono::milliseconds timeout);
+  StreamPipeline(TorusShape shape, Engines engines, std::chrono::milliseconds timeout);
   ~StreamPipeline();
   StreamPipeline(const StreamPipeline&) = delete;
   StreamPipeline& operator=(const StreamPipeline&) = delete;
 
   // Reduces `inputs` (one dtype, one device) in place: one tensor for allreduce, several for
-  // allreduce_coalesced (reduced as one flattened buffer).
+  // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> inputs, c10d::ReduceOp op,
-                                           c10d::OpType op_type);
+                                           c10d::OpType op_type, int64_t segment_bytes);
 
  private:
   // How late a completed allreduce is noticed at most: DDP's host waits for its last bucket.
@@ -81,14 +92,17 @@ class StreamPipeline {
 
   const DeviceStreams& streams_for(c10::Device device);
   std::exception_ptr enqueue(const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op,
-                             const DeviceStreams& streams, DeviceWork& device_work);
+                             const DeviceStreams& streams, int64_t segment_bytes,
+                             DeviceWork& device_work);
+  std::exception_ptr compare_calls(const c10::Stream& first, DeviceWork& device_work);
   c10::intrusive_ptr<c10d::Work> issue(Phase phase, at::Tensor& part, at::Tensor& reduced,
                                        const c10d::ReduceOp& op);
   void watch();
   void poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched);
+  void prepare_watcher(c10::Device device);  // watcher thread only, as the next one
+  bool device_finished(const StreamWork& work);
 
   const Engines engines_;
-  const int64_t segment_bytes_;
   const std::shared_ptr<PipelineContext> context_;
   std::vector<size_t> active_;  // indices into kPhaseOrder of the phases this shape has
 
@@ -100,6 +114,11 @@ class StreamPipeline {
   bool stopping_ = false;
   std::vector<c10::intrusive_ptr<StreamWork>> incoming_;
   std::thread watcher_;
+  std::optional<c10::Device> watcher_device_;  // the device the watcher thread has made current
 };
+
+// What a device's glue registers for the thread that queries its events (watcher_cuda_glue.cpp):
+// make `device` current, and whatever else such a thread needs there.
+using WatcherSetups = DeviceLaunchers<void (*)(c10::Device)>;
 
 }  // namespace torch_bigbatch::torus

@@ -3,6 +3,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <tuple>
 
@@ -68,6 +69,7 @@ StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op
 void StreamWork::poll() {
   // Queried first: an error that ended a phase early is visible by the time the event is.
   const bool done = device_done();
+  if (auto error = disagreement()) return fail(error);
   if (auto error = failed_phase()) return fail(error);
   if (auto error = context_->failure()) return fail(error);
   if (done) return complete();
@@ -98,14 +100,10 @@ bool StreamWork::device_done() const {
 
 bool StreamWork::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
-  auto finished = [this] { return completed_; };
-  if (timeout == kNoTimeout) {
-    cv_.wait(lock, finished);  // never forever: the watcher settles every work by its deadline
-  } else if (!cv_.wait_for(lock, timeout, finished)) {
+  if (timeout != kNoTimeout && !cv_.wait_for(lock, timeout, [this] { return completed_; })) {
     lock.unlock();
     fail(timed_out(timeout));  // nothing happens if the watcher has just settled it
     lock.lock();
-    cv_.wait(lock, finished);
   }
   std::exception_ptr error = exception_;
   lock.unlock();
@@ -129,6 +127,23 @@ const PhaseWork* StreamWork::first_phase(bool (*matches)(c10d::Work&)) const {
     if (earlier && matches(*phase.work)) first = &phase;
   }
   return first;
+}
+
+std::exception_ptr StreamWork::disagreement() {
+  // (No agreement tensor: its allreduce could not be enqueued, which fails the work anyway.)
+  if (agreement_read_ || !device_work_.agreement.defined() || !device_work_.agreed.query())
+    return nullptr;
+  agreement_read_ = true;
+  const int64_t* maxima = device_work_.agreement.data_ptr<int64_t>();
+  const int64_t counts[2] = {-maxima[2], maxima[0]};  // smallest, largest
+  if (counts[0] == counts[1] && -maxima[3] == maxima[1]) return nullptr;
+  const std::string detail =
+      counts[0] != counts[1]
+          ? c10::str("their element counts range from ", counts[0], " to ", counts[1])
+          : std::string("their dtypes or ops differ");
+  return std::make_exception_ptr(C10_BUILD_ERROR(
+      DistBackendError,
+      describe_mismatch(context_->shape, detail, device_work_.numel, device_work_.kind)));
 }
 
 std::exception_ptr StreamWork::failed_phase() const {

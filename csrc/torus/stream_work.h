@@ -55,12 +55,19 @@ struct PhaseWork {
 
 // What one allreduce put on the device.
 struct DeviceWork {
-  explicit DeviceWork(c10::DeviceType type) : done(type) {}
+  explicit DeviceWork(c10::DeviceType type) : agreed(type), done(type) {}
 
   std::vector<PhaseWork> phases;    // in the order they were enqueued
   int64_t segments = 0;
-  std::vector<at::Tensor> buffers;  // the flat buffer and the reduced parts the phases use
-  c10::Event done;                  // recorded after every phase and the copy back
+  std::vector<at::Tensor> buffers;  // the flat buffer, the reduced parts, the agreement tensor
+  // This rank's call (numel and call_kind) and, once `agreed` has completed, the MAX over the
+  // ranks of (numel, kind, -numel, -kind) in host memory: the ranks passed the same call iff
+  // the maxima are minus the minima.
+  int64_t numel = 0;
+  int32_t kind = 0;
+  at::Tensor agreement;
+  c10::Event agreed;
+  c10::Event done;  // recorded after every phase, the division of AVG and the copy back
 };
 
 class StreamWork : public c10d::Work {
@@ -70,12 +77,17 @@ class StreamWork : public c10d::Work {
              std::vector<at::Tensor> outputs, DeviceWork device_work, c10::Stream completion);
 
   // For the pipeline. poll() (its watcher thread's) settles the work when its device work is
-  // done, one of its phases failed, the pipeline failed, or its deadline has passed.
+  // done, the ranks' calls differ, one of its phases failed, the pipeline failed, or its
+  // deadline has passed.
   void poll();
+  c10::Device device() const { return outputs_.front().device(); }
   void fail(const std::exception_ptr& error);  // unless it is settled already
   bool settled() const { return settled_; }
   bool device_done() const;  // the device no longer uses its tensors (even after a failure)
 
+  // As ProcessGroupNCCL's Work: wait() makes the current stream wait for the result and raises
+  // a failure known by then; wait(timeout) blocks the host until the work is settled or the
+  // timeout has passed (then the work fails, naming the phase it waits for).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;  // the current stream waits for the result
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -86,6 +98,7 @@ class StreamWork : public c10d::Work {
 
   void complete();
   const PhaseWork* first_phase(bool (*matches)(c10d::Work&)) const;
+  std::exception_ptr disagreement();  // once the comparison has arrived; watcher thread only
   std::exception_ptr failed_phase() const;
   std::exception_ptr timed_out(std::chrono::milliseconds after) const;
 
@@ -96,6 +109,7 @@ class StreamWork : public c10d::Work {
   const Clock::time_point deadline_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> settled_{false};  // completed or failed: the first of the two wins
+  bool agreement_read_ = false;
 };
 
 }  // namespace torch_bigbatch::torus

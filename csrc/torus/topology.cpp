@@ -31,6 +31,7 @@ std::string describe_phase(const TorusShape& shape, Phase phase) {
   const std::string column =
       c10::str("column ", shape.x(), " (", list(shape.column_ranks()), ")");
   switch (phase) {
+    case Phase::Agreement: return "comparison of the ranks' calls across the whole group";
     case Phase::RowScatter: return "reduce-scatter along " + row;
     case Phase::RowAllreduce: return "allreduce along " + row;
     case Phase::ColumnScatter: return "reduce-scatter along " + column;
@@ -52,6 +53,24 @@ std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segme
   return c10::str("torus allreduce timed out after ", after.count(), " ms: ", shape.describe(),
                   " waits for the ", describe_phase(shape, phase), ", segment ", segment + 1,
                   " of ", segments);
+}
+
+int32_t call_kind(at::ScalarType dtype, const c10d::ReduceOp& op) {
+  return static_cast<int32_t>(dtype) << 8 | static_cast<int32_t>(op.op_);
+}
+
+std::string describe_call(int64_t numel, int32_t kind) {
+  static const char* ops[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
+  const int op = kind & 0xff;
+  return c10::str(numel, " ", static_cast<at::ScalarType>(kind >> 8), " elements with ",
+                  op < 8 ? ops[op] : "another op");
+}
+
+std::string describe_mismatch(const TorusShape& shape, const std::string& detail, int64_t numel,
+                              int32_t kind) {
+  return c10::str("torus allreduce: the ranks passed different buffers (", detail,
+                  "; this rank, ", shape.describe(), ", passed ", describe_call(numel, kind),
+                  "): every rank must pass the same number of elements, dtype and op");
 }
 
 }  // namespace torch_bigbatch::torus

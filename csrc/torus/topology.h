@@ -26,8 +26,9 @@ struct TorusShape {
 // The phases of a torus allreduce. The host pipeline runs the column as a reduce-scatter and an
 // allgather of its own, or as one allreduce, and small buffers as an allreduce along the row
 // and one along the column; the stream pipeline runs NCCL's allreduce along the column.
+// The stream pipeline first compares the ranks' calls across the whole group (Agreement).
 enum class Phase {
-  RowScatter, RowAllreduce, ColumnScatter, ColumnAllreduce, ColumnGather, RowGather
+  Agreement, RowScatter, RowAllreduce, ColumnScatter, ColumnAllreduce, ColumnGather, RowGather
 };
 
 // "reduce-scatter along row 1 (ranks 2, 3)": what a failure message names.
@@ -42,6 +43,17 @@ std::string describe_failure(const TorusShape& shape, Phase phase, int64_t segme
                              int64_t segments, const std::string& message);
 std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segment,
                              int64_t segments, std::chrono::milliseconds after);
+
+// What an allreduce call is, as ranks compare it: its dtype and reduce op in one number, and
+// "1000 Float elements with SUM".
+int32_t call_kind(at::ScalarType dtype, const c10d::ReduceOp& op);
+std::string describe_call(int64_t numel, int32_t kind);
+
+// How both pipelines report ranks that passed different buffers: "torus allreduce: the ranks
+// passed different buffers (<detail>; this rank, <where>, passed <call>): every rank must pass
+// the same number of elements, dtype and op".
+std::string describe_mismatch(const TorusShape& shape, const std::string& detail, int64_t numel,
+                              int32_t kind);
 
 // Each phase has a group of its own (the row and, on the host, the column twice), so that phases
 // of different segments run at once and every group sees its collectives in one fixed order.

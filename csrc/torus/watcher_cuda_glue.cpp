@@ -1,0 +1,29 @@
+// What the stream pipeline's watcher thread needs on CUDA before it queries events: the Work's
+// GPU current (a query on a thread whose device was never set creates a context on GPU 0,
+// about 0.5 GB, on every rank of the node), and thread-local stream-capture mode, so that its
+// queries cannot invalidate a CUDA graph another thread is capturing (as ProcessGroupNCCL's
+// watchdog does). The thread is the pipeline's own, so the mode is never set back.
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
+#include "torus/stream_pipeline.h"
+
+namespace torch_bigbatch::torus {
+namespace {
+
+void prepare_cuda_watcher(c10::Device device) {
+  C10_CUDA_CHECK(c10::cuda::SetDevice(device.index()));
+  thread_local bool thread_local_capture = [] {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+    C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    return true;
+  }();
+  (void)thread_local_capture;
+}
+
+const WatcherSetups::Register kCuda(c10::DeviceType::CUDA, &prepare_cuda_watcher);
+
+}  // namespace
+}  // namespace torch_bigbatch::torus
