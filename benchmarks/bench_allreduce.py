@@ -1,11 +1,13 @@
 """Benchmark allreduce on this machine: backend "torus" against plain "gloo", same run.
 
 P processes (one per rank, OMP_NUM_THREADS=1 as torchrun sets it) join a Gloo group and one
-torus group per algorithm asked for ("auto": the default, picking per size; "torus": always the
-2D torus), all of the same ranks. For every size, the groups take turns over several rounds; a
-round times `--iters` back-to-back synchronous fp32 allreduces after a barrier, and the table
-gives the median time of one allreduce on rank 0, the bus bandwidth (nccl-tests' convention:
-bytes * 2(p-1)/p / time) and each algorithm's speedup over Gloo.
+torus group per algorithm asked for ("auto": the default, measuring per size class; "torus":
+always the 2D torus), all of the same ranks. For every size, each group is warmed up (auto
+until it has decided), then the groups take turns over several rounds; a round times `--iters`
+back-to-back synchronous fp32 allreduces after a barrier. The tables give the median time of
+one allreduce on rank 0, the bus bandwidth (nccl-tests' convention: bytes * 2(p-1)/p / time),
+each algorithm's speedup over Gloo, what auto runs, and the CPU seconds of one allreduce (user
++ system, all ranks' processes, from the OS's accounting) against Gloo's.
 
 Run it from the repository root:
 
@@ -16,6 +18,7 @@ Run it from the repository root:
 import argparse
 import datetime
 import os
+import resource
 import statistics
 import time
 
@@ -27,12 +30,15 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import torch_bigbatch  # noqa: E402
 from common import write_csv  # noqa: E402
-from torch_bigbatch.distributed import TorusOptions, parse_shape, torus_algorithm  # noqa: E402
+from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
+                                        torus_algorithm_table)
+from torch_bigbatch.distributed.torus import CPU_SEGMENT_BYTES  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
 CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
-              "runs"]
+              "runs", "cpu_ms", "cpu_vs_gloo"]
+WARM_UP_CALLS = 20  # auto decides a class after at most 3 candidates x 3 rounds of trials
 
 
 def parse_size(text):
@@ -48,13 +54,31 @@ def label(nbytes):
     return f"{nbytes} B"
 
 
+def cpu_seconds():
+    """User + system seconds of this process, every thread (Gloo's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_round(run, group, iters):
-    """Seconds per call of `run` over `iters` calls, started together on every rank."""
+    """(wall seconds, CPU seconds of this process) per call of `run` over `iters` calls,
+    started together on every rank."""
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     for _ in range(iters):
         run()
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, (cpu_seconds() - cpu_start) / iters
+
+
+def describe_choice(nbytes, group):
+    """What a torus group runs for this size: "flat", "torus" or "torus 16M" (its segment size
+    where it is not the default one)."""
+    rows = [row for row in torus_algorithm_table(group) if row["device"] == "cpu"
+            and row["min_bytes"] <= nbytes <= row["max_bytes"]]
+    algorithm = torus_algorithm(nbytes, group)
+    if rows and algorithm == "torus" and rows[0]["segment_bytes"] != CPU_SEGMENT_BYTES:
+        return f"torus {rows[0]['segment_bytes'] >> 20}M"
+    return algorithm
 
 
 def worker(rank, world, shape, sizes, args, port, results):
@@ -69,20 +93,29 @@ def worker(rank, world, shape, sizes, args, port, results):
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
-        times = {}
-        for group in groups.values():
-            dist.all_reduce(tensor, group=group)  # warm-up: connections, allocations
+        times, cpu = {}, {}
+        for name, group in groups.items():  # warm-up: connections, allocations, auto's trials
+            for _ in range(WARM_UP_CALLS if name == "auto" else 1):
+                dist.all_reduce(tensor, group=group)
         for _ in range(args.rounds):  # the groups take turns, so drift hits all
             for name, group in groups.items():
-                seconds = time_round(lambda: dist.all_reduce(tensor, group=group), group, iters)
+                seconds, cpu_seconds_here = time_round(
+                    lambda: dist.all_reduce(tensor, group=group), group, iters)
                 times.setdefault(name, []).append(seconds)
+                cpu.setdefault(name, []).append(cpu_seconds_here)
         medians = {name: statistics.median(values) for name, values in times.items()}
+        # Every rank's median CPU seconds per call, summed over the ranks.
+        cpu_total = torch.tensor([statistics.median(cpu[name]) for name in groups],
+                                 dtype=torch.float64)
+        dist.all_reduce(cpu_total)
+        cpu_ms = dict(zip(groups, (cpu_total * 1e3).tolist()))
         for name, seconds in medians.items():
             bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
-            runs = "gloo" if name == "gloo" else torus_algorithm(nbytes, groups[name])
+            runs = "gloo" if name == "gloo" else describe_choice(nbytes, groups[name])
             rows.append({"shape": f"{shape[0]}x{shape[1]}", "ranks": world, "bytes": nbytes,
                          "backend": name, "ms": seconds * 1e3, "bus_gb_per_s": bus,
-                         "speedup_vs_gloo": medians["gloo"] / seconds, "runs": runs})
+                         "speedup_vs_gloo": medians["gloo"] / seconds, "runs": runs,
+                         "cpu_ms": cpu_ms[name], "cpu_vs_gloo": cpu_ms[name] / cpu_ms["gloo"]})
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -116,6 +149,13 @@ def print_table(rows):
         speedups = " | ".join(f"{group[name]['speedup_vs_gloo']:7.2f}x" for name in names[1:])
         ran = f"  ({group['auto']['runs']})" if "auto" in group else ""
         print(f"{label(nbytes):>9} | {times} | {speedups}{ran}")
+    print("\nCPU ms per allreduce (user + system, all ranks), and against Gloo's")
+    print(f"{'size':>9} | " + " | ".join(f"{name + ' cpu':>10}" for name in names) + " | "
+          + " | ".join(f"{name + '/gloo':>10}" for name in names[1:]))
+    for nbytes, group in by_size.items():
+        cpu = " | ".join(f"{group[name]['cpu_ms']:10.2f}" for name in names)
+        ratios = " | ".join(f"{group[name]['cpu_vs_gloo']:10.2f}" for name in names[1:])
+        print(f"{label(nbytes):>9} | {cpu} | {ratios}")
 
 
 def main():

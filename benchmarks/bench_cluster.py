@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
-from bench_allreduce import DEFAULT_SIZES, label, parse_size, time_round
+from bench_allreduce import (DEFAULT_SIZES, WARM_UP_CALLS, describe_choice, label, parse_size,
+                             time_round)
 from common import write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
-from torch_bigbatch.distributed import TorusOptions, torus_algorithm, torus_shape
+from torch_bigbatch.distributed import TorusOptions, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
 
 # name: the group it runs on (built under torchrun) and the cost model's name for it.
@@ -40,7 +41,7 @@ ALGORITHMS = {  # name: (its group, the cost model's algorithm for what it runs)
     "torus": (lambda: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm="torus")),
               "torus"),
     "auto": (lambda: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm="auto")),
-             None),  # per size: torus_algorithm()
+             None),  # per size: what it measured and chose
     "gloo": (lambda: dist.new_group(backend="gloo"), "ring"),
 }
 MODEL_OF_RUN = {"torus": "torus", "flat": "ring", "gloo": "ring"}
@@ -92,18 +93,19 @@ def worker(args):
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, args.round_bytes // nbytes))
         seconds = {name: [] for name in groups}
-        for group in groups.values():
-            dist.all_reduce(tensor, group=group)  # warm-up: connections, allocations
+        for name, group in groups.items():  # warm-up: connections, allocations, auto's trials
+            for _ in range(WARM_UP_CALLS if name == "auto" else 1):
+                dist.all_reduce(tensor, group=group)
         for _ in range(args.rounds):  # the algorithms take turns, so drift hits all
             for name, group in groups.items():
                 seconds[name].append(time_round(lambda: dist.all_reduce(tensor, group=group),
-                                                dist.group.WORLD, iters))
+                                                dist.group.WORLD, iters)[0])
         for name, group in groups.items():
             sent = sent_per_call(lambda: dist.all_reduce(tensor, group=group), iters,
                                  args.interface)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, sent if leader else None)
-            runs = "gloo" if name == "gloo" else torus_algorithm(nbytes, group)
+            runs = "gloo" if name == "gloo" else describe_choice(nbytes, group)
             rows.append({"bytes": nbytes, "algorithm": name, "runs": runs,
                          "ms": statistics.median(seconds[name]) * 1e3,
                          "sent_per_node": {hosts[r]: per_rank[r] for r in range(world)
@@ -156,15 +158,16 @@ def table_rows(result, nodes, nproc_per_node, rate, hardware):
     rows = []
     for row in result["rows"]:
         nbytes, algorithm, runs = row["bytes"], row["algorithm"], row["runs"]
+        kind = runs.split()[0]  # "torus 16M": the torus with other segments
         sent = statistics.mean(row["sent_per_node"].values())
-        model = allreduce_time(MODEL_OF_RUN[runs], hardware, ranks, nbytes) * 1e3 \
+        model = allreduce_time(MODEL_OF_RUN[kind], hardware, ranks, nbytes) * 1e3 \
             if hardware else None
         rows.append({"nodes": nodes, "nproc_per_node": nproc_per_node, "rate": rate or "none",
                      "shape": "x".join(map(str, result["shape"])), "bytes": nbytes,
                      "algorithm": algorithm, "ms": row["ms"], "model_ms": model,
                      "sent_bytes_per_node": sent, "sent_per_buffer": sent / nbytes,
                      "runs": runs,
-                     "expected_per_buffer": expected_per_buffer(runs, nodes, ranks)})
+                     "expected_per_buffer": expected_per_buffer(kind, nodes, ranks)})
     return rows
 
 

@@ -85,8 +85,8 @@ def main(pytest_arguments):
         print(build.stdout[-6000:], build.stderr[-6000:], sep="\n")
         say("FAILED: the package did not build or install against torch's CUDA build")
         sys.exit(1)
-    notes = [line.strip() for line in (build.stdout + build.stderr).splitlines()
-             if line.strip().startswith("torch_bigbatch:")]
+    notes = dict.fromkeys(line.strip() for line in (build.stdout + build.stderr).splitlines()
+                          if line.strip().startswith("torch_bigbatch:"))  # setup.py runs twice
     say(f"built and installed in {time.monotonic() - start:.0f} s ({'; '.join(notes)})")
     tests = run([PYTHON, "-m", "pytest", "-q", "-m", SELECTION, "-p", "no:cacheprovider",
                  *pytest_arguments], cwd=COPY, env=environment)

@@ -1,7 +1,9 @@
 """The "torus" backend against Gloo's own collectives, on real processes over loopback."""
 
 import datetime
+import json
 import os
+import threading
 import time
 
 import pytest
@@ -9,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
-from torch_bigbatch.distributed import (TorusOptions, auto_torus_max_bytes, resolve_shape,
-                                        torus_algorithm, torus_shape)
+from torch_bigbatch.distributed import (TorusOptions, resolve_shape, torus_algorithm,
+                                        torus_algorithm_table, torus_allreduce_counts,
+                                        torus_shape)
 
 from conftest import CUDA, needs_cuda
 from multiprocess import run_ranks
@@ -428,23 +431,112 @@ def algorithm_choice(rank, world_size, port):
               for name in ("torus", "flat")}
     groups["limit"] = dist.new_group(backend="torus", pg_options=TorusOptions(
         torus_max_bytes=1000))
-    limit = auto_torus_max_bytes(2, 2)
-    return {"auto small": torus_algorithm(limit), "auto large": torus_algorithm(limit + 1),
-            "cuda": torus_algorithm(4, device="cuda"),
+    for group in groups.values():
+        dist.all_reduce(torch.ones(100), group=group)
+    return {"auto": torus_algorithm(400), "cuda": torus_algorithm(400, device="cuda"),
             "torus": torus_algorithm(1 << 30, groups["torus"]),
             "flat": torus_algorithm(4, groups["flat"]),
             "limit": (torus_algorithm(1000, groups["limit"]),
-                      torus_algorithm(1001, groups["limit"]))}
+                      torus_algorithm(1001, groups["limit"])),
+            "counts": [torus_allreduce_counts(groups[name]) for name in ("torus", "flat", "limit")]}
 
 
 @pytest.mark.slow
 def test_the_algorithm_each_size_takes_is_visible_and_can_be_forced():
     assert run_ranks(algorithm_choice, 4)[0] == {
-        "auto small": "torus", "auto large": "flat", "cuda": "flat", "torus": "torus",
-        "flat": "flat", "limit": ("torus", "flat")}
-    assert auto_torus_max_bytes(1, 1) == 0 and auto_torus_max_bytes(4, 4, "cuda") == 0
-    assert 0 < auto_torus_max_bytes(2, 2) < auto_torus_max_bytes(2, 4) < auto_torus_max_bytes(4, 4)
-    assert auto_torus_max_bytes(2, 2, hosts=2) > 1 << 62  # across machines: every buffer
+        "auto": "measuring", "cuda": "measuring", "torus": "torus", "flat": "flat",
+        "limit": ("torus", "flat"),
+        "counts": [{"cpu torus": 1}, {"cpu flat": 1}, {"cpu torus": 1}]}
+
+
+def tuned(rank, world_size, port, busy_rank):
+    """Sizes in four classes, each first seen at another point of the run (one after the others
+    were decided), in the world and in a subgroup; `busy_rank` spends a core on other work
+    throughout, so its times differ from the others'."""
+    init(rank, world_size, port)
+    gloo = dist.new_group(backend="gloo")
+    pair = dist.new_group([1, 2], backend="torus")
+    stop = threading.Event()
+    if rank == busy_rank:
+        def spin():
+            while not stop.is_set():
+                sum(range(1000))
+        threading.Thread(target=spin, daemon=True).start()
+    sizes = [300, 60_000] * 12 + [1_000_003] * 12 + [5] * 12
+    wrong = []
+    for call, numel in enumerate(sizes):
+        mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
+        expected = mine.clone()
+        dist.all_reduce(mine)
+        dist.all_reduce(expected, group=gloo)
+        if not torch.allclose(mine, expected, rtol=1e-12, atol=1e-12):
+            wrong.append(call)
+        if rank in (1, 2) and call % 3 == 0:
+            numbers = torch.full((2000,), float(rank))
+            dist.all_reduce(numbers, group=pair)
+            if numbers.tolist() != [3.0] * 2000:
+                wrong.append(("pair", call))
+    stop.set()
+    tables = {"world": torus_algorithm_table()}
+    if rank in (1, 2):
+        tables["pair"] = torus_algorithm_table(pair)
+    return wrong, tables, torus_allreduce_counts()
+
+
+@pytest.mark.slow
+def test_auto_measures_and_every_rank_agrees():
+    results = run_ranks(tuned, 4, 3, deadline=240)
+    for rank, (wrong, _, _) in enumerate(results):
+        assert not wrong, f"rank {rank}: wrong results at calls {wrong}"
+    world = results[0][1]["world"]
+    for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
+        assert tables["world"] == world, f"rank {rank} chose otherwise"
+        assert sum(counts.values()) == 48
+    assert results[1][1]["pair"] == results[2][1]["pair"]
+    rows = {row["max_bytes"]: row for row in world}
+    # 2.4 KB, 480 KB, 8 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 8 MiB and 64 bytes.
+    assert sorted(rows) == [64, 4096, 512 << 10, 8 << 20]
+    for row in world:
+        assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
+        candidates = row["candidates"]
+        # Above 2 MiB the torus is tried with 2 MiB and 16 MiB segments.
+        assert len(candidates) == (3 if row["max_bytes"] > 2 << 20 else 2), row
+        assert [c["algorithm"] for c in candidates][:2] == ["flat", "torus"]
+        fastest = min(candidates, key=lambda c: c["seconds"])
+        assert (row["algorithm"], row["segment_bytes"]) == (fastest["algorithm"],
+                                                            fastest["segment_bytes"])
+        assert all(0 < c["seconds"] < 10 for c in candidates), row
+
+
+def pinned(rank, world_size, port, table):
+    init(rank, world_size, port, TorusOptions(table=table))
+    for _ in range(3):
+        numbers = torch.full((1000,), float(rank))
+        dist.all_reduce(numbers)
+        assert numbers.tolist() == [6.0] * 1000
+    return torus_algorithm_table(), torus_allreduce_counts(), torus_algorithm(4000)
+
+
+@pytest.mark.slow
+def test_a_pinned_table_skips_the_trials(tmp_path):
+    table = [{"device": "cpu", "min_bytes": 2049, "max_bytes": 4096, "algorithm": "torus",
+              "segment_bytes": 1 << 20}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    for rows, counts, chosen in run_ranks(pinned, 4, str(path)):
+        assert counts == {"cpu torus": 3} and chosen == "torus"
+        assert rows == [{**table[0], "source": "pinned", "candidates": []}]
+
+
+def test_a_bad_table_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read as JSON"):
+        TorusOptions(table=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="algorithm flat or torus"):
+        TorusOptions(table=[{"device": "cpu", "max_bytes": 4096, "algorithm": "ring"}])
+    with pytest.raises(ValueError, match="needs device, max_bytes and algorithm"):
+        TorusOptions(table=[{"device": "cpu"}])
+    with pytest.raises(ValueError, match="applies to algorithm 'auto'"):
+        TorusOptions(algorithm="torus", table=[])
 
 
 def size_mismatch_in_detail_mode(rank, world_size, port):

@@ -1,9 +1,10 @@
 """The "torus" backend's CUDA pipeline (NCCL) on real processes, one GPU per rank.
 
 NCCL refuses two ranks on one GPU and a group of one rank never reaches the pipeline (it takes
-the whole group's allreduce), so these tests need at least two GPUs; test_torus.py has the one
-CUDA test a single GPU can run. Inputs are small integers, so every expected value is exact in
-float32 and bfloat16 and has a closed form in the ranks.
+the whole group's allreduce), so the pipeline's tests need at least two GPUs; they force
+algorithm "torus" and check that the pipeline ran. The tests of one GPU (world size 1) check the
+whole group's allreduce as the torus hands it to NCCL. Inputs are small integers, so every
+expected value is exact in float32 and bfloat16 and has a closed form in the ranks.
 """
 
 import datetime
@@ -15,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
-from torch_bigbatch.distributed import TorusOptions
+from torch_bigbatch.distributed import TorusOptions, torus_allreduce_counts
 
-from conftest import CUDA
+from conftest import CUDA, needs_cuda
 from multiprocess import run_ranks
 from test_torus import SmallConvNet, global_batches, train
 
@@ -32,12 +33,20 @@ SHAPES = [pytest.param(shape, id=f"{shape[0]}x{shape[1]}", marks=[CUDA, needs_gp
 
 
 def init(rank, world_size, port, shape, segment_bytes=64 << 10, seconds=60):
+    """The torus pipeline forced: "auto" could pick NCCL's own allreduce for any size."""
     torch.cuda.set_device(rank)
     dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size,
-                            pg_options=TorusOptions(shape=shape, segment_bytes=segment_bytes),
+                            pg_options=TorusOptions(shape=shape, algorithm="torus",
+                                                    segment_bytes=segment_bytes),
                             timeout=datetime.timedelta(seconds=seconds))
     return torch.device("cuda", rank)
+
+
+def pipeline_calls():
+    counts = torus_allreduce_counts()
+    assert "cuda flat" not in counts, counts
+    return counts["cuda torus"]
 
 
 def expected(op, base, world_size):
@@ -87,6 +96,7 @@ def allreduce_on_gpus(rank, world_size, port, shape):
         assert work.wait()
         assert torch.equal(tensor, want), f"call {i}"
         assert work.is_completed() and work.is_success()
+    assert pipeline_calls() == checked + 1 + 1 + 20
     return checked
 
 
@@ -106,7 +116,9 @@ def ddp_on_gpus(rank, world_size, port, shape):
     shard = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
     batches = [(x[shard].to(device), y[shard].to(device)) for x, y in global_batches(steps, batch)]
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank], bucket_cap_mb=0.001)
-    return train(ddp, batches, steps).cpu().tolist()  # tensors cannot outlive the rank
+    result = train(ddp, batches, steps).cpu().tolist()  # tensors cannot outlive the rank
+    assert pipeline_calls() > steps
+    return result
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -126,7 +138,7 @@ def late_peer(rank, world_size, port):
                       TORCH_NCCL_ENABLE_MONITORING="0")
     device = init(rank, world_size, port, (2, 1))
     short = dist.new_group(backend="torus", timeout=datetime.timedelta(seconds=3),
-                           pg_options=TorusOptions(shape=(2, 1)))
+                           pg_options=TorusOptions(shape=(2, 1), algorithm="torus"))
     for group in (None, short):  # every group is connected
         dist.all_reduce(torch.ones(10, device=device), group=group)
     torch.cuda.synchronize()
@@ -135,10 +147,17 @@ def late_peer(rank, world_size, port):
         return None
     outcome = {}
     start = time.monotonic()
-    try:  # the group's own timeout, through a blocking allreduce
-        dist.all_reduce(torch.ones(1000, device=device), group=short)
+    # The group's own timeout, through the future (wait() without a timeout only makes the
+    # stream wait, as NCCL's does).
+    late = dist.all_reduce(torch.ones(1000, device=device), group=short, async_op=True)
+    try:
+        late.get_future().wait()
     except RuntimeError as error:
         outcome["deadline"] = (time.monotonic() - start, str(error))
+    try:  # a failure known by then: wait() raises it
+        late.wait()
+    except RuntimeError as error:
+        outcome["known"] = str(error)
     work = dist.all_reduce(torch.ones(1000, device=device), async_op=True)
     start = time.monotonic()
     try:
@@ -163,6 +182,7 @@ def test_late_peer_fails_named_and_refuses_later_allreduces():
     assert 2.5 < seconds < 3 + 5, f"the 3 s timeout fired after {seconds:.1f} s"
     # NCCL's watchdog or the pipeline's deadline, whichever sees it first: the phase is named.
     assert message.startswith("torus allreduce") and phase in message and where in message, message
+    assert outcome["known"] == message
     seconds, message = outcome["wait"]
     assert 0.9 < seconds < 3, f"wait(1 s) returned after {seconds:.1f} s"
     timed_out = (f"torus allreduce timed out after 1000 ms: {where} waits for the {phase}, "
@@ -171,3 +191,41 @@ def test_late_peer_fails_named_and_refuses_later_allreduces():
     assert outcome["work"] == (True, False)
     assert outcome["refused"].startswith(
         f"torus backend is unusable after an earlier failure: {timed_out}"), outcome["refused"]
+
+
+def one_gpu(rank, world_size, port):
+    """World size 1: the whole group's allreduce (NCCL's), as the torus hands it on."""
+    dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    device = torch.device("cuda", 0)
+    result = {}
+    # The Work completes with the stream, not when NCCL is enqueued.
+    tensor = torch.ones(1 << 20, device=device)
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time before the allreduce can run
+    work = dist.all_reduce(tensor, async_op=True)
+    result["completed while the stream sleeps"] = work.is_completed()
+    work.wait()  # the current stream waits; the host does not
+    result["sum"] = tensor.sum().item()  # a host read after the stream
+    torch.cuda.synchronize()
+    result["completed after"] = work.is_completed() and work.is_success()
+    # AVG divides once: the mean of ones is one.
+    ones = torch.ones(1000, device=device)
+    dist.all_reduce(ones, op=dist.ReduceOp.AVG)
+    result["avg"] = ones.unique().tolist()
+    # A strided view, as on the CPU.
+    matrix = torch.arange(3000.0, device=device).view(100, 30)
+    view, untouched = matrix[:, ::3], matrix[:, 1::3].clone()
+    expected = view.clone()
+    dist.all_reduce(view)
+    result["view"] = torch.equal(view, expected) and torch.equal(matrix[:, 1::3], untouched)
+    dist.destroy_process_group()
+    return result
+
+
+@CUDA
+@needs_cuda
+@pytest.mark.slow
+def test_one_gpu_allreduce_completes_with_the_stream_and_averages_once():
+    result = run_ranks(one_gpu, 1, deadline=120)[0]
+    assert result == {"completed while the stream sleeps": False, "sum": float(1 << 20),
+                      "completed after": True, "avg": [1.0], "view": True}

@@ -25,17 +25,6 @@ struct Header {
 constexpr int64_t kHeaderBytes = sizeof(Header);
 static_assert(kHeaderBytes == 16, "the header keeps the data 16-byte aligned");
 
-int32_t kind_of(at::ScalarType dtype, const c10d::ReduceOp& op) {
-  return static_cast<int32_t>(dtype) << 8 | static_cast<int32_t>(op.op_);
-}
-
-std::string describe_kind(int64_t numel, int32_t kind) {
-  static const char* ops[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
-  const int op = kind & 0xff;
-  return c10::str(numel, " ", static_cast<at::ScalarType>(kind >> 8), " elements with ",
-                  op < 8 ? ops[op] : "another op");
-}
-
 // `total` elements cut into `parts` consecutive pieces that differ by at most one.
 struct Split {
   std::vector<int64_t> sizes, offsets;
@@ -92,7 +81,6 @@ struct Exchange {
 struct HostPipeline::Context {
   TorusShape shape;
   Engines engines;
-  int64_t segment_bytes;
   ScratchPool scratch;
   std::mutex mutex;
   std::exception_ptr failure;  // the first one: the backend is unusable after it
@@ -194,7 +182,7 @@ void check_headers(const HostPipeline::Context& context, Segment& segment,
     if (segment.mismatch == 0) segment.mismatch = 1 + context.shape.rank;
     if (segment.mismatch_detail.empty() && (k == 0 || header.numel == call.numel))
       segment.mismatch_detail = c10::str("rank ", group[exchange.members[k]], " passed ",
-                                         describe_kind(header.numel, header.kind));
+                                         describe_call(header.numel, header.kind));
   }
 }
 
@@ -467,13 +455,12 @@ void after_row_gather(const ContextPtr& context, const SegmentPtr& segment) {
 // headers carry what the earlier ones saw): all fail together, or the segment is done.
 void finish(const ContextPtr& context, const SegmentPtr& segment) {
   Call& call = *segment->call;
-  TORCH_CHECK(segment->mismatch == 0, "torus allreduce: the ranks passed different buffers (",
-              segment->mismatch_detail.empty()
-                  ? c10::str("rank ", segment->mismatch - 1, " saw it first")
-                  : segment->mismatch_detail,
-              "; this rank, ", context->shape.describe(), ", passed ",
-              describe_kind(call.numel, call.kind),
-              "): every rank must pass the same number of elements, dtype and op");
+  TORCH_CHECK(segment->mismatch == 0,
+              describe_mismatch(context->shape,
+                                segment->mismatch_detail.empty()
+                                    ? c10::str("rank ", segment->mismatch - 1, " saw it first")
+                                    : segment->mismatch_detail,
+                                call.numel, call.kind));
   if (--call.segments_left == 0) {
     call.buffer.copy_out();
     call.work->complete();
@@ -482,17 +469,16 @@ void finish(const ContextPtr& context, const SegmentPtr& segment) {
 
 }  // namespace
 
-HostPipeline::HostPipeline(TorusShape shape, Engines engines, int64_t segment_bytes)
+HostPipeline::HostPipeline(TorusShape shape, Engines engines)
     : context_(std::make_shared<Context>()) {
-  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
   context_->shape = shape;
   context_->engines = std::move(engines);
-  context_->segment_bytes = segment_bytes;
 }
 
 c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> inputs,
-                                                       c10d::ReduceOp op,
-                                                       c10d::OpType op_type) {
+                                                       c10d::ReduceOp op, c10d::OpType op_type,
+                                                       int64_t segment_bytes) {
+  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
   if (const std::exception_ptr failure = context_->first_failure()) {
     try {
       std::rethrow_exception(failure);
@@ -506,12 +492,12 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   call->buffer = FlatBuffer(std::move(inputs), 1);
   call->op = op;
   call->numel = call->buffer.flat.numel();
-  call->kind = kind_of(call->buffer.flat.scalar_type(), op);
+  call->kind = call_kind(call->buffer.flat.scalar_type(), op);
   if (call->numel == 0) {  // nothing to exchange
     call->work->complete();
     return call->work;
   }
-  const auto spans = call->buffer.segments(context_->segment_bytes);
+  const auto spans = call->buffer.segments(segment_bytes);
   call->segments_left = static_cast<int64_t>(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     auto segment = std::make_shared<Segment>();

@@ -40,12 +40,12 @@ constexpr int64_t kOneShotBytes = 256 << 10;
 
 class HostPipeline {
  public:
-  HostPipeline(TorusShape shape, Engines engines, int64_t segment_bytes);
+  HostPipeline(TorusShape shape, Engines engines);
 
   // Reduces `inputs` (one dtype, CPU) in place: one tensor for allreduce, several for
-  // allreduce_coalesced (reduced as one flattened buffer).
+  // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> inputs, c10d::ReduceOp op,
-                                           c10d::OpType op_type);
+                                           c10d::OpType op_type, int64_t segment_bytes);
 
   struct Context;  // what the phases' callbacks share: shape, engines, scratch, first failure
 

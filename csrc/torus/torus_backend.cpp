@@ -53,12 +53,14 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
                            std::optional<Engines> cuda, TorusSettings settings)
     : c10d::Backend(shape.rank, size),
       shape_(shape),
-      settings_(settings),
+      timeout_(settings.timeout),
       cpu_(std::move(cpu)),
-      cuda_(std::move(cuda)) {
+      cuda_(std::move(cuda)),
+      tuner_(shape.rank, settings.cpu, settings.cuda, std::move(settings.pinned),
+             cpu_ ? cpu_->whole : nullptr, settings.timeout) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
               shape_.rows, " does not match the group size ", size);
-  TORCH_CHECK(cpu_ || cuda_, "torus: no engine for any device");
+  TORCH_CHECK(cpu_, "torus: the CPU engines (Gloo) are missing: the tuner agrees through them");
   for (const auto* engines : {cpu_ ? &*cpu_ : nullptr, cuda_ ? &*cuda_ : nullptr}) {
     if (engines == nullptr) continue;
     TORCH_CHECK(engines->whole, "torus: an engine set has no whole-group process group");
@@ -70,11 +72,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   }
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
-  if (cpu_) host_ = std::make_unique<HostPipeline>(shape_, *cpu_, settings_.cpu_segment_bytes);
-  if (cuda_) {
-    stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, settings_.cuda_segment_bytes,
-                                               settings_.timeout);
-  }
+  host_ = std::make_unique<HostPipeline>(shape_, *cpu_);
+  if (cuda_) stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, timeout_);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -136,50 +135,77 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   }
   const Engines& engines = engines_for(first.device().type(), collective);
   const bool on_host = first.device().is_cpu();
-  const int64_t torus_max_bytes =
-      on_host ? settings_.cpu_torus_max_bytes : settings_.cuda_torus_max_bytes;
-  if (bytes > torus_max_bytes || getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM)
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM)
     return whole_allreduce(engines, std::move(tensors), op, op_type);
-
   if (on_host) {
     TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,
                 " is not supported on CPU tensors (float, double, half, bfloat16, bool and "
                 "integer types are)");
+  }
+  const AlgorithmTuner::Call call = tuner_.begin(first.device(), bytes);
+  c10::intrusive_ptr<c10d::Work> work =
+      call.choice.algorithm == Algorithm::Flat
+          ? whole_allreduce(engines, std::move(tensors), op, op_type)
+          : pipeline_allreduce(std::move(tensors), op, op_type, collective,
+                               call.choice.segment_bytes);
+  tuner_.finish(call, work);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::Tensor> tensors,
+                                                                const c10d::ReduceOp& op,
+                                                                c10d::OpType op_type,
+                                                                const char* collective,
+                                                                int64_t segment_bytes) {
+  const at::ScalarType dtype = tensors.front().scalar_type();
+  if (tensors.front().device().is_cpu()) {
     TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
     if (dtype == at::kBool) {  // as bytes of 0 and 1: any (SUM, MAX, BOR) or all (the rest)
       for (auto& tensor : tensors) tensor = tensor.view(at::kByte);
-      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type);
+      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type, segment_bytes);
     }
-    return host_->allreduce(std::move(tensors), op, op_type);
+    return host_->allreduce(std::move(tensors), op, op_type, segment_bytes);
   }
   TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
-  return stream_->allreduce(std::move(tensors), op, op_type);
+  return stream_->allreduce(std::move(tensors), op, op_type, segment_bytes);
 }
 
-// One allreduce of the whole group: the engine's own, its failure named as the torus's are. On
-// the host the torus divides AVG (Gloo has no AVG) and reduces contiguous copies of
-// non-contiguous tensors (Gloo reads them as if they were contiguous: a wrong result), written
-// back when the engine is done.
+namespace {
+
+c10::intrusive_ptr<c10d::Work> engine_allreduce(c10d::Backend& whole,
+                                                std::vector<at::Tensor>& tensors,
+                                                const c10d::ReduceOp& op, c10d::OpType op_type) {
+  if (op_type == c10d::OpType::ALLREDUCE) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = op;
+    return whole.allreduce(tensors, options);
+  }
+  c10d::AllreduceCoalescedOptions options;
+  options.reduceOp = op;
+  return whole.allreduce_coalesced(tensors, options);
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engines,
                                                              std::vector<at::Tensor> tensors,
                                                              const c10d::ReduceOp& op,
                                                              c10d::OpType op_type) {
-  const bool on_host = tensors.front().device().is_cpu();
-  const bool emulate_average = on_host && op.op_ == c10d::ReduceOp::AVG;
+  if (tensors.front().device().is_cpu())
+    return whole_allreduce_on_host(engines, std::move(tensors), op, op_type);
+  return whole_allreduce_on_device(engines, std::move(tensors), op, op_type);
+}
+
+// On the host the torus divides AVG (Gloo has no AVG) and reduces contiguous copies of
+// non-contiguous tensors (Gloo reads them as if they were contiguous: a wrong result), written
+// back when the engine is done; the Work completes after that.
+c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
+    const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
+    c10d::OpType op_type) {
   std::vector<at::Tensor> reduced = tensors;
-  for (auto& tensor : reduced)
-    if (on_host) tensor = tensor.contiguous();  // itself when it is contiguous
-  const c10d::ReduceOp engine = emulate_average ? engine_op(op) : op;
-  c10::intrusive_ptr<c10d::Work> work;
-  if (op_type == c10d::OpType::ALLREDUCE) {
-    c10d::AllreduceOptions options;
-    options.reduceOp = engine;
-    work = engines.whole->allreduce(reduced, options);
-  } else {
-    c10d::AllreduceCoalescedOptions options;
-    options.reduceOp = engine;
-    work = engines.whole->allreduce_coalesced(reduced, options);
-  }
+  for (auto& tensor : reduced) tensor = tensor.contiguous();  // itself when it is contiguous
+  c10::intrusive_ptr<c10d::Work> work =
+      engine_allreduce(*engines.whole, reduced, engine_op(op), op_type);
   auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
   work->getFuture()->addCallback([finished, reduced, op, size = getSize(),
                                   failure = whole_group_failure("allreduce")](
@@ -197,6 +223,31 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engi
     }
   });
   return finished;
+}
+
+// On the device the engine's own Work is the caller's (through DelegatedWork, which names its
+// failures): its wait() makes the current stream wait for the collective, its future carries
+// the device's events, and its errors and timeouts reach it. NCCL has AVG, so the one division
+// is its own. A layout NCCL refuses (a strided view) is reduced as a dense copy, copied back on
+// the calling stream after it has waited for the collective.
+c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
+    const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
+    c10d::OpType op_type) {
+  std::vector<at::Tensor> reduced = tensors;
+  bool copied = false;
+  for (auto& tensor : reduced) {
+    if (!tensor.is_contiguous(tensor.suggest_memory_format())) {
+      tensor = tensor.contiguous();
+      copied = true;
+    }
+  }
+  c10::intrusive_ptr<c10d::Work> work = engine_allreduce(*engines.whole, reduced, op, op_type);
+  if (copied) {
+    work->synchronize();
+    for (size_t i = 0; i < reduced.size(); ++i)
+      if (!reduced[i].is_same(tensors[i])) tensors[i].copy_(reduced[i]);
+  }
+  return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure("allreduce"));
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce_sparse(

@@ -4,6 +4,7 @@
 // delegated to the engine's whole-group process group, so DDP and torch.distributed run as is.
 #pragma once
 
+#include "torus/algorithm_tuner.h"
 #include "torus/delegated_work.h"
 #include "torus/host_pipeline.h"
 #include "torus/stream_pipeline.h"
@@ -12,20 +13,16 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <functional>
-#include <limits>
 #include <memory>
 #include <optional>
 
 namespace torch_bigbatch::torus {
 
-// Which algorithm an allreduce runs: the torus for buffers of at most torus_max_bytes (per
-// device type), the whole group's allreduce above; torch_bigbatch/distributed/torus.py derives
-// the limits from TorusOptions.algorithm and the shape.
+// Which algorithm an allreduce runs, per device type (algorithm_tuner.h);
+// torch_bigbatch/distributed/torus.py derives them from TorusOptions.
 struct TorusSettings {
-  int64_t cpu_segment_bytes = 2 << 20;    // pipelining unit of large buffers, per device type
-  int64_t cuda_segment_bytes = 16 << 20;
-  int64_t cpu_torus_max_bytes = std::numeric_limits<int64_t>::max();
-  int64_t cuda_torus_max_bytes = std::numeric_limits<int64_t>::max();
+  DeviceTuning cpu, cuda;
+  std::vector<PinnedClass> pinned;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };
 
@@ -36,7 +33,7 @@ class TorusBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "torus"; }
   const TorusShape& shape() const { return shape_; }
-  const TorusSettings& settings() const { return settings_; }
+  const AlgorithmTuner& tuner() const { return tuner_; }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -109,14 +106,27 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op,
                                                  c10d::OpType op_type, const char* collective);
+  c10::intrusive_ptr<c10d::Work> pipeline_allreduce(std::vector<at::Tensor> tensors,
+                                                    const c10d::ReduceOp& op,
+                                                    c10d::OpType op_type, const char* collective,
+                                                    int64_t segment_bytes);
   c10::intrusive_ptr<c10d::Work> whole_allreduce(const Engines& engines,
                                                  std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op, c10d::OpType op_type);
+  c10::intrusive_ptr<c10d::Work> whole_allreduce_on_host(const Engines& engines,
+                                                         std::vector<at::Tensor> tensors,
+                                                         const c10d::ReduceOp& op,
+                                                         c10d::OpType op_type);
+  c10::intrusive_ptr<c10d::Work> whole_allreduce_on_device(const Engines& engines,
+                                                           std::vector<at::Tensor> tensors,
+                                                           const c10d::ReduceOp& op,
+                                                           c10d::OpType op_type);
   void for_each_group(const std::function<void(c10d::Backend&)>& visit);
 
   const TorusShape shape_;
-  const TorusSettings settings_;
+  const std::chrono::milliseconds timeout_;
   std::optional<Engines> cpu_, cuda_;
+  AlgorithmTuner tuner_;
   std::unique_ptr<HostPipeline> host_;
   std::unique_ptr<StreamPipeline> stream_;
 };

@@ -9,14 +9,73 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
+#include <string>
+#include <tuple>
+
 namespace torch_bigbatch::torus {
 
 namespace py = pybind11;
 
+namespace {
+
+// (mode, torus_max_bytes, segment_bytes, alternative_segment_bytes), mode one of "measure",
+// "limit", "torus", "flat".
+using TuningSpec = std::tuple<std::string, int64_t, int64_t, int64_t>;
+// (device, size class, "flat" or "torus", segment_bytes).
+using PinnedSpec = std::tuple<std::string, int, std::string, int64_t>;
+
+DeviceTuning device_tuning(const TuningSpec& spec) {
+  const auto& [mode, torus_max_bytes, segment_bytes, alternative_segment_bytes] = spec;
+  static const std::map<std::string, TuningMode> modes = {{"measure", TuningMode::Measure},
+                                                           {"limit", TuningMode::Limit},
+                                                           {"torus", TuningMode::Torus},
+                                                           {"flat", TuningMode::Flat}};
+  TORCH_CHECK(modes.count(mode), "torus: unknown tuning mode ", mode);
+  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
+  return {modes.at(mode), torus_max_bytes, segment_bytes, alternative_segment_bytes};
+}
+
+Choice choice(const std::string& algorithm, int64_t segment_bytes) {
+  TORCH_CHECK(algorithm == "flat" || algorithm == "torus",
+              "torus: an algorithm is 'flat' or 'torus', got ", algorithm);
+  if (algorithm == "flat") return {Algorithm::Flat, 0};
+  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
+  return {Algorithm::Torus, segment_bytes};
+}
+
+void describe_choice(const std::optional<Choice>& choice, py::dict& row) {
+  const bool torus = choice && choice->algorithm == Algorithm::Torus;
+  row["algorithm"] = choice ? py::object(py::str(torus ? "torus" : "flat")) : py::object(py::none());
+  row["segment_bytes"] = torus ? py::object(py::int_(choice->segment_bytes)) : py::none();
+}
+
+py::list algorithm_table(const TorusBackend& self) {
+  py::list rows;
+  for (const TableRow& entry : self.tuner().table()) {
+    py::dict row;
+    row["device"] = c10::DeviceTypeName(entry.device, /*lower_case=*/true);
+    row["min_bytes"] = entry.size_class == 0 ? 0 : (int64_t(1) << (entry.size_class - 1)) + 1;
+    row["max_bytes"] = int64_t(1) << entry.size_class;
+    row["source"] = entry.source;
+    describe_choice(entry.choice, row);
+    py::list seconds;
+    for (const auto& [candidate, time] : entry.seconds) {
+      py::dict measured;
+      describe_choice(candidate, measured);
+      measured["seconds"] = time;
+      seconds.append(measured);
+    }
+    row["candidates"] = seconds;
+    rows.append(row);
+  }
+  return rows;
+}
+
+}  // namespace
+
 void bind_torus(py::module& m) {
   py::module::import("torch.distributed");  // registers the Backend base class
-
-  m.attr("TORUS_ONE_SHOT_BYTES") = kOneShotBytes;
 
   py::class_<Engines>(m, "TorusEngines",
                       "The process groups of one device type that the torus composes.")
@@ -34,33 +93,41 @@ void bind_torus(py::module& m) {
 
   py::class_<TorusBackend, c10d::Backend, c10::intrusive_ptr<TorusBackend>>(m, "TorusBackend")
       .def(py::init([](int rank, int size, int columns, int rows, std::optional<Engines> cpu,
-                       std::optional<Engines> cuda, int64_t cpu_segment_bytes,
-                       int64_t cuda_segment_bytes,
-                       int64_t cpu_torus_max_bytes, int64_t cuda_torus_max_bytes,
+                       std::optional<Engines> cuda, const TuningSpec& cpu_tuning,
+                       const TuningSpec& cuda_tuning, const std::vector<PinnedSpec>& pinned,
                        std::chrono::milliseconds timeout) {
-             TorusShape shape{columns, rows, rank};
-             TorusSettings settings{cpu_segment_bytes, cuda_segment_bytes, cpu_torus_max_bytes,
-                                    cuda_torus_max_bytes,
+             TorusSettings settings{device_tuning(cpu_tuning), device_tuning(cuda_tuning), {},
                                     timeout};
-             return c10::make_intrusive<TorusBackend>(shape, size, std::move(cpu),
-                                                      std::move(cuda), settings);
+             for (const auto& [device, size_class, algorithm, segment_bytes] : pinned) {
+               settings.pinned.push_back({c10::Device(device).type(), size_class,
+                                          choice(algorithm, segment_bytes)});
+             }
+             return c10::make_intrusive<TorusBackend>(TorusShape{columns, rows, rank}, size,
+                                                      std::move(cpu), std::move(cuda),
+                                                      std::move(settings));
            }),
            py::arg("rank"), py::arg("size"), py::arg("columns"), py::arg("rows"),
-           py::arg("cpu"), py::arg("cuda"), py::arg("cpu_segment_bytes"),
-           py::arg("cuda_segment_bytes"),
-           py::arg("cpu_torus_max_bytes"), py::arg("cuda_torus_max_bytes"), py::arg("timeout"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cpu"), py::arg("cuda"), py::arg("cpu_tuning"), py::arg("cuda_tuning"),
+           py::arg("pinned"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shape",
                              [](const TorusBackend& self) {
                                return std::make_pair(self.shape().columns, self.shape().rows);
                              })
-      .def_property_readonly(
-          "torus_max_bytes",
-          [](const TorusBackend& self) {
-            return std::make_pair(self.settings().cpu_torus_max_bytes,
-                                  self.settings().cuda_torus_max_bytes);
+      .def("algorithm_table", &algorithm_table,
+           "Per device type and size class: the algorithm chosen (or 'measuring') and the "
+           "agreed time of each candidate")
+      .def(
+          "chosen_algorithm",
+          [](const TorusBackend& self, const std::string& device, int64_t bytes) {
+            py::dict row;
+            describe_choice(self.tuner().chosen(c10::Device(device).type(), bytes), row);
+            return row;
           },
-          "(CPU, CUDA): the largest buffer an allreduce sends through the torus");
+          "What an allreduce of `bytes` on `device` tensors runs: {'algorithm': 'flat' or "
+          "'torus' or None (still measuring), 'segment_bytes': ...}")
+      .def(
+          "allreduce_counts", [](const TorusBackend& self) { return self.tuner().counts(); },
+          "Allreduces run per device type and algorithm: {'cpu torus': 12, ...}");
 }
 
 }  // namespace torch_bigbatch::torus

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 import socket
@@ -23,13 +24,15 @@ from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
 ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
+ENV_TABLE = "TORCH_BIGBATCH_TORUS_TABLE"
 
 
 ALGORITHMS = ("auto", "torus", "flat")
 CPU_SEGMENT_BYTES = 2 << 20  # see TorusOptions.segment_bytes
-ONE_SHOT_BYTES = _C.TORUS_ONE_SHOT_BYTES  # small buffers: two exchanges (host_pipeline.h)
-AUTO_BYTES_PER_STEP = 64 << 10  # see auto_torus_max_bytes
-_NO_LIMIT = 2**63 - 1
+# The other segment size that "auto" tries, where it cuts a buffer otherwise: on one host the
+# forced torus was faster with 16 MiB segments on the CPU; on GPUs, NCCL's kernels overlap
+# better with more, smaller segments.
+ALTERNATIVE_SEGMENT_BYTES = {"cpu": 16 << 20, "cuda": 4 << 20}
 
 
 @dataclasses.dataclass
@@ -40,22 +43,32 @@ class TorusOptions:
         TORCH_BIGBATCH_TORUS environment variable for groups of the world's size, else X =
         LOCAL_WORLD_SIZE when it divides the group size, else the factorization nearest a square.
     algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
-        group (Gloo's or NCCL's own); "auto": the torus for buffers of at most torus_max_bytes,
-        the flat allreduce above (see auto_torus_max_bytes). None (default): the
-        TORCH_BIGBATCH_TORUS_ALGORITHM environment variable, else "auto".
-    torus_max_bytes: with "auto", the largest buffer the torus takes; None: per device type, the
-        limit auto_torus_max_bytes gives for the shape.
+        group (Gloo's or NCCL's own); "auto": measured per device type and size class (each
+        power of two of bytes): the first calls of a class try the flat allreduce and the torus
+        (with two segment sizes where that matters), the ranks agree on the slowest rank's
+        times, and the class runs the fastest from then on (a log line on rank 0 says which;
+        torus_algorithm_table() lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
+        environment variable, else "auto". The algorithms may differ in the last bits of a
+        float sum: a run that must repeat bit for bit fixes the algorithm or pins a table.
+    torus_max_bytes: with "auto", a fixed rule instead of measuring: the torus for buffers of at
+        most this many bytes, the flat allreduce above.
+    table: with "auto", classes whose choice is pinned rather than measured: the rows of
+        torus_algorithm_table() (a list of dicts, or the path of a JSON file of one, as
+        save_torus_algorithm_table writes); rows without an algorithm are measured. None
+        (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
     segment_bytes: large buffers are cut into segments of this size, and the phases of
         consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (2 MiB:
         across emulated nodes at 1 Gbit/s, the torus beat Gloo by 1.11-1.40x from 4 to 64 MiB
         with it, and lost at 4 and 16 MiB with 16 MiB segments), DEFAULT_SEGMENT_BYTES for CUDA
-        tensors (16 MiB, the cost model's; not measured on GPUs).
+        tensors (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
+        ALTERNATIVE_SEGMENT_BYTES.
     """
 
     shape: tuple[int, int] | str | None = None
     algorithm: str | None = None
     torus_max_bytes: int | None = None
     segment_bytes: int | None = None
+    table: list | str | None = None
 
     def __post_init__(self):
         if self.algorithm is None:
@@ -68,6 +81,44 @@ class TorusOptions:
         if self.torus_max_bytes is not None and self.torus_max_bytes < 0:
             raise ValueError(
                 f"torus_max_bytes must be non-negative or None, got {self.torus_max_bytes}")
+        if self.table is None:
+            self.table = os.environ.get(ENV_TABLE) or None
+        if self.table is not None:
+            self.table = _pinned_rows(self.table)
+            if self.algorithm != "auto" or self.torus_max_bytes is not None:
+                raise ValueError("a pinned table applies to algorithm 'auto' without "
+                                 "torus_max_bytes")
+
+
+def _pinned_rows(table):
+    """(device, size class, algorithm, segment_bytes) of each row of `table` (rows as
+    torus_algorithm_table() returns them, or a JSON file of them) that names an algorithm."""
+    where = "the table"
+    if isinstance(table, (str, os.PathLike)):
+        where = f"the table {os.fspath(table)}"
+        try:
+            with open(table) as file:
+                table = json.load(file)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{where} cannot be read as JSON: {error}") from error
+    if not isinstance(table, list):
+        raise ValueError(f"{where} must be a list of rows, got {type(table).__name__}")
+    pinned = []
+    for row in table:
+        try:
+            device, max_bytes, algorithm = row["device"], int(row["max_bytes"]), row["algorithm"]
+            segment_bytes = int(row.get("segment_bytes") or 0)
+        except (TypeError, KeyError, ValueError) as error:
+            raise ValueError(f"{where}: a row needs device, max_bytes and algorithm; got "
+                             f"{row!r}") from error
+        if algorithm is None:
+            continue
+        if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") or max_bytes < 0 \
+                or (algorithm == "torus" and segment_bytes <= 0):
+            raise ValueError(f"{where}: device must be cpu or cuda, algorithm flat or torus (with "
+                             f"a positive segment_bytes), max_bytes >= 0; got {row!r}")
+        pinned.append((device, max(0, (max_bytes - 1).bit_length()), algorithm, segment_bytes))
+    return pinned
 
 
 def parse_shape(spec) -> tuple[int, int]:
@@ -101,39 +152,17 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
     return columns, size // columns
 
 
-def auto_torus_max_bytes(columns, rows, device="cpu", hosts=1):
-    """The largest buffer that algorithm "auto" sends through the torus on a torus of `columns`
-    x `rows` ranks on `hosts` machines; larger ones take the whole group's allreduce.
-
-    CPU (Gloo), ranks on several machines: every buffer. The torus sends 2(Y-1)/Y of a buffer
-    over each node's link where Gloo's ring sends 2(p-1)/p, and the links set the pace
-    (measured on emulated nodes: README, "Running on several machines").
-    CPU, one machine: the ranks share its cores, so bytes cost as much as steps. The torus takes
-    one step along each of its row and column (a direct exchange with every peer: Gloo's
-    alltoall) where the ring takes 2(p - 1): small buffers (up to ONE_SHOT_BYTES, sent whole to
-    every peer) always win; above, the torus's 2 to 4 steps win while the buffer is under
-    AUTO_BYTES_PER_STEP per ring step saved (measured with benchmarks/bench_allreduce.py:
-    README, "The torus backend").
-    CUDA (NCCL): 0, NCCL's own allreduce always: its rings and trees beat the torus in the cost
-    model from 16 GPUs up, and no GPU measurement says otherwise yet.
-    """
-    ranks = columns * rows
-    if device != "cpu" or ranks == 1:
-        return 0
-    if hosts > 1:
-        return _NO_LIMIT
-    phases = 2 if rows == 1 else 3 if rows == 2 else 4
-    return max(ONE_SHOT_BYTES, (2 * (ranks - 1) - phases) * AUTO_BYTES_PER_STEP)
-
-
-def _torus_max_bytes(options, columns, rows, device, hosts):
-    if options.algorithm == "torus":
-        return _NO_LIMIT
-    if options.algorithm == "flat":
-        return -1
+def _tuning(options, device):
+    """What the C++ tuner takes for one device type: (mode, torus_max_bytes, segment_bytes,
+    alternative_segment_bytes)."""
+    default = CPU_SEGMENT_BYTES if device == "cpu" else DEFAULT_SEGMENT_BYTES
+    segment = options.segment_bytes or default
+    alternative = 0 if options.segment_bytes else ALTERNATIVE_SEGMENT_BYTES[device]
+    if options.algorithm in ("torus", "flat"):
+        return options.algorithm, 0, segment, 0
     if options.torus_max_bytes is not None:
-        return options.torus_max_bytes
-    return auto_torus_max_bytes(columns, rows, device, hosts)
+        return "limit", options.torus_max_bytes, segment, 0
+    return "measure", 0, segment, alternative
 
 
 def _route_source(host):
@@ -216,8 +245,7 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
 
 
 def _agree_on_shape(store, rank, size, resolve):
-    """(shape, hosts): the shape from `resolve()`, checked against every rank's, and the number
-    of machines the ranks run on. Ranks that disagree on the shape (say, TORCH_BIGBATCH_TORUS or
+    """The shape from `resolve()`, checked against every rank's. Ranks that disagree on the shape (say, TORCH_BIGBATCH_TORUS or
     LOCAL_WORLD_SIZE set differently) all fail at once with a message that names the shapes,
     instead of at the first collective's timeout."""
     try:
@@ -225,14 +253,13 @@ def _agree_on_shape(store, rank, size, resolve):
     except ValueError as error:
         shape, problem = None, error
     spec = "x".join(map(str, shape)) if shape else f"none ({problem})"
-    store.set(f"shape/{rank}", f"{spec} {socket.gethostname()}")
+    store.set(f"shape/{rank}", spec)
     if rank == 0:
-        shapes, hosts = zip(*(store.get(f"shape/{other}").decode().rsplit(" ", 1)
-                              for other in range(size)))
+        shapes = [store.get(f"shape/{other}").decode() for other in range(size)]
         differing = [f"rank {other} {spec}" for other, spec in enumerate(shapes)
                      if spec != shapes[0]]
         store.set("shape/verdict", "; ".join([f"rank 0 {shapes[0]}"] + differing)
-                  if differing else f"agreed {len(set(hosts))}")
+                  if differing else "agreed")
     verdict = store.get("shape/verdict").decode()
     if problem is not None:
         raise problem
@@ -240,7 +267,7 @@ def _agree_on_shape(store, rank, size, resolve):
         raise ValueError(f"the ranks of a torus group disagree on its shape ({verdict}): set "
                          "TORCH_BIGBATCH_TORUS, TorusOptions.shape or LOCAL_WORLD_SIZE alike "
                          "on every rank")
-    return shape, int(verdict.split()[1])
+    return shape
 
 
 def create_torus_backend(backend_options, pg_options=None):
@@ -256,18 +283,15 @@ def create_torus_backend(backend_options, pg_options=None):
     # keys would send Gloo to dead ports, so every attempt has keys of its own.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
-    (columns, rows), hosts = _agree_on_shape(store, rank, size,
-                                             lambda: resolve_shape(size, options.shape, world))
+    columns, rows = _agree_on_shape(store, rank, size,
+                                    lambda: resolve_shape(size, options.shape, world))
     cpu = _engines(_gloo_group, store, "cpu", rank, columns, rows, timeout, column_gather=True)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                         column_gather=False)
-    return _C.TorusBackend(rank, size, columns, rows, cpu, cuda,
-                           options.segment_bytes or CPU_SEGMENT_BYTES,
-                           options.segment_bytes or DEFAULT_SEGMENT_BYTES,
-                           _torus_max_bytes(options, columns, rows, "cpu", hosts),
-                           _torus_max_bytes(options, columns, rows, "cuda", hosts), timeout)
+    return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu"),
+                           _tuning(options, "cuda"), options.table or [], timeout)
 
 
 def _torus_backend(group):
@@ -285,11 +309,35 @@ def torus_shape(group=None) -> tuple[int, int]:
 
 
 def torus_algorithm(nbytes, group=None, device="cpu") -> str:
-    """What an allreduce of `nbytes` bytes on `device` tensors runs in this torus group:
-    "torus" or "flat" (the whole group's own allreduce)."""
-    backend = _torus_backend(group)
-    limit = backend.torus_max_bytes[torch.device(device).type == "cuda"]
-    return "torus" if nbytes <= limit and dist.get_world_size(group) > 1 else "flat"
+    """What an allreduce of `nbytes` bytes on `device` tensors runs in this torus group now:
+    "torus", "flat" (the whole group's own allreduce), or "measuring" (its size class is still
+    in its trials under algorithm "auto")."""
+    if dist.get_world_size(group) == 1:
+        return "flat"
+    chosen = _torus_backend(group).chosen_algorithm(torch.device(device).type, nbytes)
+    return chosen["algorithm"] or "measuring"
+
+
+def torus_algorithm_table(group=None) -> list[dict]:
+    """The algorithm of each size class this torus group has seen, per device type: rows of
+    {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"), algorithm,
+    segment_bytes, candidates: [{algorithm, segment_bytes, seconds}, ...] (the slowest rank's
+    best time of each candidate)}. TorusOptions(table=...) takes these rows back."""
+    return _torus_backend(group).algorithm_table()
+
+
+def save_torus_algorithm_table(path, group=None):
+    """Writes torus_algorithm_table() to `path` as JSON, for TorusOptions(table=path) or
+    TORCH_BIGBATCH_TORUS_TABLE=path in a later run."""
+    with open(path, "w") as file:
+        json.dump(torus_algorithm_table(group), file, indent=1)
+
+
+def torus_allreduce_counts(group=None) -> dict[str, int]:
+    """Allreduces this torus group has run, per device type and algorithm:
+    {"cpu torus": 12, "cpu flat": 3, ...} (a group of one rank, ReduceOp.PREMUL_SUM and
+    sparse tensors take the flat allreduce outside these counts)."""
+    return _torus_backend(group).allreduce_counts()
 
 
 def register() -> None:

@@ -1,0 +1,284 @@
+#include "torus/algorithm_tuner.h"
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <cstdio>
+#include <iostream>
+#include <limits>
+#include <thread>
+
+namespace torch_bigbatch::torus {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Sizes here are powers of two or segment sizes: whole units.
+std::string format_bytes(int64_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (bytes >= 1024 && bytes % 1024 == 0 && unit < 4) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return c10::str(bytes, " ", units[unit]);
+}
+
+// "cpu allreduces over 2 KiB up to 4 KiB"
+std::string describe_class(c10::DeviceType device, int size_class) {
+  const int64_t top = int64_t(1) << size_class;
+  return c10::str(c10::DeviceTypeName(device, /*lower_case=*/true), " allreduces ",
+                  size_class == 0 ? "" : c10::str("over ", format_bytes(top / 2), " "), "up to ",
+                  format_bytes(top));
+}
+
+std::string format_milliseconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3g ms", seconds * 1e3);
+  return text;
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown error";
+  }
+}
+
+}  // namespace
+
+// One timed trial call. On the host its Work's future ends it; on a device, events.
+struct Trial {
+  size_t candidate = 0;
+  int round = 0;
+  Clock::time_point start;
+  std::optional<c10::Event> start_event, end_event;
+  c10::intrusive_ptr<c10d::Work> device_work;  // a device trial's Work, for its failure
+
+  std::mutex mutex;
+  std::condition_variable ended_cv;
+  bool ended = false;
+  std::exception_ptr failure;
+  double seconds = 0;
+
+  // The trial's time, once it has ended; throws its failure, or a timeout at `deadline`.
+  double wait(Clock::time_point deadline) {
+    if (end_event) {
+      while (!end_event->query()) {
+        TORCH_CHECK(Clock::now() < deadline, "its trial calls did not end in time");
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      if (auto error = device_work->exception()) std::rethrow_exception(error);
+      return start_event->elapsedTime(*end_event) / 1000.0;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    TORCH_CHECK(ended_cv.wait_until(lock, deadline, [this] { return ended; }),
+                "its trial calls did not end in time");
+    if (failure) std::rethrow_exception(failure);
+    return seconds;
+  }
+};
+
+std::string Choice::describe() const {
+  if (algorithm == Algorithm::Flat) return "flat";
+  return c10::str("torus (", format_bytes(segment_bytes), " segments)");
+}
+
+int size_class_of(int64_t bytes) {
+  int k = 0;
+  while (k < 62 && (int64_t(1) << k) < bytes) ++k;
+  return k;
+}
+
+AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
+                               std::vector<PinnedClass> pinned,
+                               c10::intrusive_ptr<c10d::Backend> agree,
+                               std::chrono::milliseconds timeout, int trial_rounds)
+    : rank_(rank),
+      cpu_(cpu),
+      cuda_(cuda),
+      agree_(std::move(agree)),
+      timeout_(timeout),
+      rounds_(trial_rounds) {
+  TORCH_CHECK(rounds_ >= 2, "torus: the tuner needs a warm-up round and a timed one");
+  for (const auto& entry : pinned) {
+    TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
+                "torus: a pinned size class must be in [0, 62], got ", entry.size_class);
+    ClassState& state = classes_[{entry.device, entry.size_class}];
+    state.decided = entry.choice;
+    state.source = "pinned";
+  }
+}
+
+const DeviceTuning& AlgorithmTuner::tuning(c10::DeviceType device) const {
+  return device == c10::DeviceType::CPU ? cpu_ : cuda_;
+}
+
+// The flat allreduce, then the torus with its segments, and with the alternative segments
+// where they cut the class's largest buffer otherwise.
+std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int size_class) const {
+  std::vector<Choice> result{{Algorithm::Flat, 0}, {Algorithm::Torus, tuning.segment_bytes}};
+  const int64_t top = int64_t(1) << size_class;
+  const int64_t other = tuning.alternative_segment_bytes;
+  auto segments = [top](int64_t size) { return (top + size - 1) / size; };
+  if (other > 0 && segments(other) != segments(tuning.segment_bytes))
+    result.push_back({Algorithm::Torus, other});
+  return result;
+}
+
+// The choice of the modes that measure nothing; none under TuningMode::Measure.
+std::optional<Choice> AlgorithmTuner::fixed_choice(const DeviceTuning& tuning,
+                                                   int64_t bytes) const {
+  const Choice torus{Algorithm::Torus, tuning.segment_bytes}, flat{Algorithm::Flat, 0};
+  switch (tuning.mode) {
+    case TuningMode::Torus:
+      return torus;
+    case TuningMode::Flat:
+      return flat;
+    case TuningMode::Limit:
+      return bytes <= tuning.torus_max_bytes ? torus : flat;
+    case TuningMode::Measure:
+      break;
+  }
+  return std::nullopt;
+}
+
+std::optional<Choice> AlgorithmTuner::chosen(c10::DeviceType device, int64_t bytes) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (auto choice = fixed_choice(tuning(device), bytes)) return choice;
+  auto found = classes_.find({device, size_class_of(bytes)});
+  return found != classes_.end() ? found->second.decided : std::nullopt;
+}
+
+AlgorithmTuner::Call AlgorithmTuner::begin(c10::Device device, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const DeviceTuning& tuning = this->tuning(device.type());
+  const std::optional<Choice> fixed = fixed_choice(tuning, bytes);
+  Call call = fixed ? Call{*fixed, nullptr} : measured_call(device, bytes, tuning);
+  const bool is_torus = call.choice.algorithm == Algorithm::Torus;
+  ++counts_[c10::str(c10::DeviceTypeName(device.type(), true), is_torus ? " torus" : " flat")];
+  return call;
+}
+
+// Under TuningMode::Measure: the next trial of the class, its decision after the last trial,
+// or the decided choice.
+AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t bytes,
+                                                   const DeviceTuning& tuning) {
+  const int size_class = size_class_of(bytes);
+  ClassState& state = classes_[{device.type(), size_class}];
+  if (state.candidates.empty() && !state.decided) {
+    state.candidates = candidates(tuning, size_class);
+    state.source = "measuring";
+  }
+  const int64_t trials = rounds_ * static_cast<int64_t>(state.candidates.size());
+  if (!state.decided && state.trial_calls == trials) decide(device.type(), size_class, state);
+  if (state.decided) return {*state.decided, nullptr};
+
+  auto trial = std::make_shared<Trial>();
+  trial->candidate = static_cast<size_t>(state.trial_calls % state.candidates.size());
+  trial->round = static_cast<int>(state.trial_calls / state.candidates.size());
+  ++state.trial_calls;
+  if (device.is_cpu()) {
+    trial->start = Clock::now();
+  } else {
+    trial->start_event.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    trial->end_event.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    trial->start_event->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  state.trials.push_back(trial);
+  return {state.candidates[trial->candidate], trial};
+}
+
+void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Work>& work) {
+  const std::shared_ptr<Trial>& trial = call.trial;
+  if (!trial) return;
+  if (!trial->end_event) {
+    work->getFuture()->addCallback([trial](c10::ivalue::Future& future) {
+      std::lock_guard<std::mutex> lock(trial->mutex);
+      trial->seconds = std::chrono::duration<double>(Clock::now() - trial->start).count();
+      if (future.hasError()) trial->failure = future.exception_ptr();
+      trial->ended = true;
+      trial->ended_cv.notify_all();
+    });
+    return;
+  }
+  // On a stream of the tuner's that waits for the Work: the caller's streams get no new wait.
+  const c10::Device device = trial->start_event->device();
+  const c10::Stream stream = timing_stream(device);
+  c10::StreamGuard on_timing(stream);
+  work->synchronize();
+  trial->end_event->record(stream);
+  trial->device_work = work;
+}
+
+c10::Stream AlgorithmTuner::timing_stream(c10::Device device) {
+  std::lock_guard<std::mutex> lock(streams_mutex_);
+  auto found = timing_streams_.find(device.index());
+  if (found != timing_streams_.end()) return found->second;
+  c10::Stream stream = c10::impl::VirtualGuardImpl(device.type())
+                           .getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  return timing_streams_.emplace(device.index(), stream).first->second;
+}
+
+void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& state) {
+  const size_t count = state.candidates.size();
+  const auto deadline = Clock::now() + timeout_;
+  std::vector<double> best(count, std::numeric_limits<double>::infinity());
+  try {
+    for (const auto& trial : state.trials) {
+      const double seconds = trial->wait(deadline);
+      if (trial->round > 0) best[trial->candidate] = std::min(best[trial->candidate], seconds);
+    }
+    // The slowest rank's time counts, so every rank compares the same numbers.
+    std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    agree_->allreduce(agreed, options)->wait(timeout_);
+    best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + count);
+  } catch (...) {
+    TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
+                describe_class(device, size_class), " failed: ",
+                message_of(std::current_exception()));
+  }
+  size_t fastest = 0;
+  for (size_t i = 1; i < count; ++i)
+    if (best[i] < best[fastest]) fastest = i;
+  state.decided = state.candidates[fastest];
+  state.seconds = best;
+  state.source = "measured";
+  state.trials.clear();
+  if (rank_ != 0) return;
+  std::string times;
+  for (size_t i = 0; i < count; ++i)
+    times += c10::str(i ? ", " : "", state.candidates[i].describe(), " ",
+                      format_milliseconds(best[i]));
+  std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
+            << state.decided->describe() << " (" << times << ": the slowest rank's best of "
+            << rounds_ - 1 << " calls each)" << std::endl;
+}
+
+std::vector<TableRow> AlgorithmTuner::table() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<TableRow> rows;
+  for (const auto& [key, state] : classes_) {
+    TableRow row{key.first, key.second, state.source, state.decided, {}};
+    for (size_t i = 0; i < state.seconds.size(); ++i)
+      row.seconds.emplace_back(state.candidates[i], state.seconds[i]);
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+std::map<std::string, int64_t> AlgorithmTuner::counts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counts_;
+}
+
+}  // namespace torch_bigbatch::torus

@@ -1,0 +1,136 @@
+// Which algorithm each allreduce of a torus group runs: the whole group's own allreduce
+// ("flat": Gloo's or NCCL's) or the torus pipeline with a segment size, per device type and
+// size class (the powers of two of bytes: a class holds the sizes in (2^(k-1), 2^k]).
+//
+// Under "auto" the tuner measures instead of guessing. The first calls of a class are trials:
+// round after round, each candidate runs one call on the caller's own data (rounds and
+// candidates in a fixed order, so every rank runs the same candidate on the same call). A
+// trial is timed from its issue to its end: on the host by the clock and the Work's future, on
+// a device by events (the start on the caller's stream, the end on a stream of the tuner's that
+// waits for the Work), never by a host sync on the call's path. The call after the trials
+// decides: each rank takes the best time of each candidate over the rounds after the first
+// (warm-up), the ranks combine them with one small MAX allreduce of the whole CPU group (the
+// slowest rank's time counts), and every rank picks the same fastest candidate. From then on
+// the class runs it: a table lookup, no extra collective. The decision blocks its call once,
+// until the trials have ended (bounded by the group's timeout).
+//
+// Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
+// the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.
+// Algorithms may differ in the last bits of a float sum, so bit-for-bit reproducible runs fix
+// the algorithm (or pin a table).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch_bigbatch::torus {
+
+enum class Algorithm { Flat, Torus };
+
+struct Trial;  // one timed trial call (algorithm_tuner.cpp)
+
+struct Choice {
+  Algorithm algorithm = Algorithm::Flat;
+  int64_t segment_bytes = 0;  // for Algorithm::Torus
+
+  bool operator==(const Choice& other) const {
+    return algorithm == other.algorithm && segment_bytes == other.segment_bytes;
+  }
+  std::string describe() const;  // "flat", "torus (2 MiB segments)"
+};
+
+enum class TuningMode { Measure, Limit, Torus, Flat };
+
+// How one device type's allreduces are chosen.
+struct DeviceTuning {
+  TuningMode mode = TuningMode::Measure;
+  int64_t torus_max_bytes = 0;            // TuningMode::Limit
+  int64_t segment_bytes = 2 << 20;        // the torus's segments outside trials
+  int64_t alternative_segment_bytes = 0;  // also tried where it cuts a buffer otherwise; 0: none
+};
+
+// A class's choice given by the user: skips its trials.
+struct PinnedClass {
+  c10::DeviceType device;
+  int size_class;  // k: sizes in (2^(k-1), 2^k] bytes
+  Choice choice;
+};
+
+// One row of the table a group reports.
+struct TableRow {
+  c10::DeviceType device;
+  int size_class;
+  std::string source;  // "measured", "pinned" or "measuring"
+  std::optional<Choice> choice;
+  std::vector<std::pair<Choice, double>> seconds;  // measured: each candidate's agreed time
+};
+
+int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
+
+class AlgorithmTuner {
+ public:
+  // rank: for the decision's log line (rank 0 prints it); agree: the whole CPU group, for the
+  // one MAX allreduce of each decision; timeout: how long a decision waits for its trials.
+  AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
+                 c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
+                 int trial_rounds = 3);
+
+  // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
+  // begin() before the call is issued, finish() with its Work.
+  struct Call {
+    Choice choice;
+    std::shared_ptr<Trial> trial;  // null outside trials
+  };
+  Call begin(c10::Device device, int64_t bytes);
+  void finish(const Call& call, const c10::intrusive_ptr<c10d::Work>& work);
+
+  // The choice of the allreduce of `bytes` on `device`; none while its class is measured.
+  std::optional<Choice> chosen(c10::DeviceType device, int64_t bytes) const;
+  std::vector<TableRow> table() const;
+  // Calls run per device type and algorithm: {"cpu flat": 3, "cpu torus": 10, ...}.
+  std::map<std::string, int64_t> counts() const;
+
+ private:
+  struct ClassState {
+    std::vector<Choice> candidates;
+    int64_t trial_calls = 0;
+    std::vector<std::shared_ptr<Trial>> trials;
+    std::optional<Choice> decided;
+    std::string source;
+    std::vector<double> seconds;  // per candidate, agreed
+  };
+
+  const DeviceTuning& tuning(c10::DeviceType device) const;
+  std::optional<Choice> fixed_choice(const DeviceTuning& tuning, int64_t bytes) const;
+  Call measured_call(c10::Device device, int64_t bytes, const DeviceTuning& tuning);
+  std::vector<Choice> candidates(const DeviceTuning& tuning, int size_class) const;
+  void decide(c10::DeviceType device, int size_class, ClassState& state);
+  c10::Stream timing_stream(c10::Device device);
+
+  const int rank_;
+  const DeviceTuning cpu_, cuda_;
+  const c10::intrusive_ptr<c10d::Backend> agree_;
+  const std::chrono::milliseconds timeout_;
+  const int rounds_;
+
+  mutable std::mutex mutex_;  // guards classes_ and counts_ (held by a decision)
+  std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;
+  std::map<std::string, int64_t> counts_;
+  std::mutex streams_mutex_;  // guards timing_streams_
+  std::map<c10::DeviceIndex, c10::Stream> timing_streams_;
+};
+
+}  // namespace torch_bigbatch::torus
