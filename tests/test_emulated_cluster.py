@@ -47,6 +47,12 @@ def job_env(**extra):
     return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
 
 
+def torus_env(**extra):
+    """job_env with the torus algorithm fixed, for runs compared bit for bit: "auto" measures,
+    and two runs may pick algorithms whose sums round differently."""
+    return job_env(TORCH_BIGBATCH_TORUS_ALGORITHM="torus", **extra)
+
+
 def run_on_cluster(cluster, args, env=None, timeout=240):
     return cluster.run(lambda node: cluster.torchrun(node, args, 2), timeout=timeout,
                        env=env or job_env())
@@ -70,10 +76,11 @@ def parameters(output):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    """The job on 2 emulated nodes x 2 processes over "torus", uninterrupted: its output."""
+    """The job on 2 emulated nodes x 2 processes over the torus algorithm, uninterrupted: its
+    output."""
     output = str(tmp_path_factory.mktemp("cluster") / "straight")
     with EmulatedCluster(2) as cluster:
-        results = run_on_cluster(cluster, [*JOB, "--output", output])
+        results = run_on_cluster(cluster, [*JOB, "--output", output], env=torus_env())
     assert_succeeded(cluster, results)
     assert "backend torus (2x2)" in results[0][1] and "finished after epoch 1" in results[0][1]
     return output
@@ -147,10 +154,7 @@ def test_two_nodes_end_as_one_host(straight_run, tmp_path):
     """The torus across 2 nodes ends bit for bit as on one host with TORCH_BIGBATCH_TORUS=2x2
     (the same phases over the same ranks), and as Gloo's ring up to rounding."""
     host_torus, host_gloo = str(tmp_path / "torus"), str(tmp_path / "gloo")
-    # auto sends everything through the torus across machines; on one, this model's gradient
-    # bucket would go through the whole group's allreduce: force the torus to compare
-    run_on_one_host([*JOB, "--output", host_torus], job_env(TORCH_BIGBATCH_TORUS="2x2",
-                                                            TORCH_BIGBATCH_TORUS_ALGORITHM="torus"))
+    run_on_one_host([*JOB, "--output", host_torus], torus_env(TORCH_BIGBATCH_TORUS="2x2"))
     run_on_one_host([*JOB, "--output", host_gloo, "--backend", "gloo"], job_env())
     cluster, torus, gloo = parameters(straight_run), parameters(host_torus), parameters(host_gloo)
     assert cluster.keys() == torus.keys() == gloo.keys()
@@ -167,7 +171,7 @@ def test_link_fault_fails_within_the_timeout_and_a_restart_resumes(straight_run,
     rendezvous keeps one store across restarts: the torus's keys are per attempt, or the failed
     attempt's would send Gloo to dead ports, pytorch#135712)."""
     output = str(tmp_path / "faulty")
-    env = job_env()
+    env = torus_env()
     with EmulatedCluster(2) as cluster:
         logs = [str(tmp_path / f"{node.hostname}.log") for node in cluster.nodes]
         processes = [cluster.start(node, cluster.torchrun(node, [*JOB, "--output", output], 2,

@@ -508,6 +508,30 @@ def test_auto_measures_and_every_rank_agrees():
         assert all(0 < c["seconds"] < 10 for c in candidates), row
 
 
+def decision_log(rank, world_size, port, folder):
+    """What each rank's C++ side writes to stderr while a class is measured and decided."""
+    path = os.path.join(folder, f"rank{rank}.log")
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 2)
+    init(rank, world_size, port)
+    for _ in range(8):  # 2 candidates x 3 rounds of trials, then the deciding call
+        dist.all_reduce(torch.ones(1000))
+    with open(path) as log:
+        return log.read(), torus_algorithm(4000)
+
+
+@pytest.mark.slow
+def test_rank_zero_logs_each_decision(tmp_path):
+    results = run_ranks(decision_log, 4, str(tmp_path))
+    text, chosen = results[0]
+    lines = [line for line in text.splitlines() if line.startswith("torch_bigbatch torus:")]
+    assert len(lines) == 1, text
+    assert lines[0].startswith(f"torch_bigbatch torus: cpu allreduces over 2 KiB up to 4 KiB "
+                               f"run {chosen}"), lines
+    assert "flat " in lines[0] and "torus (2 MiB segments) " in lines[0], lines
+    assert all("torch_bigbatch torus:" not in text for text, _ in results[1:])
+
+
 def pinned(rank, world_size, port, table):
     init(rank, world_size, port, TorusOptions(table=table))
     for _ in range(3):

@@ -1,5 +1,7 @@
 #include "torus/algorithm_tuner.h"
 
+#include "torus/topology.h"
+
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -38,18 +40,6 @@ std::string format_milliseconds(double seconds) {
   char text[32];
   std::snprintf(text, sizeof text, "%.3g ms", seconds * 1e3);
   return text;
-}
-
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an unknown error";
-  }
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "torus/delegated_work.h"
 
+#include "torus/topology.h"
+
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
@@ -8,17 +10,7 @@ namespace {
 // The engine's error as a DistBackendError whose message starts with `context`.
 std::exception_ptr named(const std::string& context, const std::exception_ptr& error) {
   if (!error) return error;
-  std::string message;
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& engine_error) {
-    message = engine_error.what_without_backtrace();
-  } catch (const std::exception& engine_error) {
-    message = engine_error.what();
-  } catch (...) {
-    message = "an unknown error";
-  }
-  return std::make_exception_ptr(C10_BUILD_ERROR(DistBackendError, context + message));
+  return std::make_exception_ptr(C10_BUILD_ERROR(DistBackendError, context + message_of(error)));
 }
 
 }  // namespace

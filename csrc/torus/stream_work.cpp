@@ -8,22 +8,6 @@
 #include <tuple>
 
 namespace torch_bigbatch::torus {
-namespace {
-
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
-}  // namespace
-
 void PipelineContext::record_failure(const std::exception_ptr& error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!failure_) failure_ = error;

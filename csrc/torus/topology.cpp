@@ -1,5 +1,6 @@
 #include "torus/topology.h"
 
+#include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
 namespace torch_bigbatch::torus {
@@ -53,6 +54,18 @@ std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segme
   return c10::str("torus allreduce timed out after ", after.count(), " ms: ", shape.describe(),
                   " waits for the ", describe_phase(shape, phase), ", segment ", segment + 1,
                   " of ", segments);
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an unknown error";
+  }
 }
 
 int32_t call_kind(at::ScalarType dtype, const c10d::ReduceOp& op) {

@@ -44,6 +44,9 @@ std::string describe_failure(const TorusShape& shape, Phase phase, int64_t segme
 std::string describe_timeout(const TorusShape& shape, Phase phase, int64_t segment,
                              int64_t segments, std::chrono::milliseconds after);
 
+// An error's message without its backtrace ("an unknown error" for what is not an exception).
+std::string message_of(const std::exception_ptr& error);
+
 // What an allreduce call is, as ranks compare it: its dtype and reduce op in one number, and
 // "1000 Float elements with SUM".
 int32_t call_kind(at::ScalarType dtype, const c10d::ReduceOp& op);
