@@ -6,7 +6,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 APT := $(shell [ "$$(id -u)" = 0 ] || echo sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py') setup.py pyproject.toml
 
-.PHONY: install demo demo-cluster test test-cuda-build
+.PHONY: install demo demo-cluster test test-cuda-build gpu-data gpu-build test-gpu bench-gpu
 
 # torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch.
 $(BUILD)/installed: $(SOURCES)
@@ -47,3 +47,37 @@ test: install
 
 test-cuda-build: $(FASHION_MNIST)
 	$(PYTHON) tests/cuda_build_env.py
+
+# On a lent GPU machine (the device tool's: its torch, CUDA and nvcc, 16 cores, no network):
+# `make test-gpu GPU_OUT=$$OUT` builds the package against that torch, then runs the fast subset
+# and every CUDA test, logs and JUnit XML in GPU_OUT; `make bench-gpu GPU_OUT=$$OUT` the GPU
+# benchmarks, their CSVs and tables there. Both stop at once, saying so, where no GPU is
+# visible. `make gpu-data` first, here: a copy of Fashion-MNIST in .gpu-data/ (not in git) for
+# the run's `carry`, found there through TORCH_BIGBATCH_FASHION_MNIST.
+GPU_OUT ?= runs/gpu
+GPU_DATA := .gpu-data/fashion-mnist
+GPU_ENV := TORCH_BIGBATCH_FASHION_MNIST=$(CURDIR)/$(GPU_DATA) PYTHONUNBUFFERED=1
+
+gpu-data: $(FASHION_MNIST)
+	@mkdir -p $(GPU_DATA)
+	cp /usr/share/datasets/fashion-mnist/*.gz $(GPU_DATA)/
+
+gpu-build:
+	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no GPU: \
+	  this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"
+	@mkdir -p $(GPU_OUT)
+	$(PIP) install --no-build-isolation --no-deps --no-index -e . > $(GPU_OUT)/build.log 2>&1 \
+	  || (tail -50 $(GPU_OUT)/build.log; exit 1)
+
+test-gpu: gpu-build
+	$(GPU_ENV) $(PYTHON) -m pytest -m "cuda or not slow" -rs -p no:cacheprovider \
+	  --junitxml=$(GPU_OUT)/junit.xml > $(GPU_OUT)/test.log 2>&1; status=$$?; \
+	  tail -40 $(GPU_OUT)/test.log; exit $$status
+
+bench-gpu: gpu-build
+	(for dtype in float32 bfloat16; do \
+	  $(GPU_ENV) $(PYTHON) benchmarks/bench_optimizer.py --device cuda --dtype $$dtype \
+	    --csv $(GPU_OUT)/optimizer_$$dtype.csv || exit 1; \
+	  $(GPU_ENV) $(PYTHON) benchmarks/bench_batchnorm.py --device cuda --dtype $$dtype \
+	    --csv $(GPU_OUT)/batchnorm_$$dtype.csv || exit 1; \
+	done) > $(GPU_OUT)/bench.log 2>&1; status=$$?; cat $(GPU_OUT)/bench.log; exit $$status

@@ -9,8 +9,9 @@
 // a device by events (the start on the caller's stream, the end on a stream of the tuner's that
 // waits for the Work), never by a host sync on the call's path. The call after the trials
 // decides: each rank takes the best time of each candidate over the rounds after the first
-// (warm-up), the ranks combine them with one small MAX allreduce of the whole CPU group (the
-// slowest rank's time counts), and every rank picks the same fastest candidate. From then on
+// (a warm-up; 4 rounds, as 2 timed calls let this shared 2-core machine's noise flip choices),
+// the ranks combine them with one small MAX allreduce of the whole CPU group (the slowest
+// rank's time counts), and every rank picks the same fastest candidate. From then on
 // the class runs it: a table lookup, no extra collective. The decision blocks its call once,
 // until the trials have ended (bounded by the group's timeout).
 //
@@ -86,7 +87,7 @@ class AlgorithmTuner {
   // one MAX allreduce of each decision; timeout: how long a decision waits for its trials.
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
-                 int trial_rounds = 3);
+                 int trial_rounds = 4);
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.

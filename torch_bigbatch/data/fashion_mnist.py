@@ -1,5 +1,6 @@
 """Fashion-MNIST from the Debian package dataset-fashion-mnist (the IDX files, gzipped, under
-/usr/share/datasets/fashion-mnist), read with torch: no download, no torchvision."""
+/usr/share/datasets/fashion-mnist, or where TORCH_BIGBATCH_FASHION_MNIST points: a copy on a
+machine without the package), read with torch: no download, no torchvision."""
 
 import functools
 import gzip
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-DEFAULT_ROOT = "/usr/share/datasets/fashion-mnist"
+DEFAULT_ROOT = os.environ.get("TORCH_BIGBATCH_FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
          "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 CLASSES = 10
