@@ -63,8 +63,8 @@ gpu-data: $(FASHION_MNIST)
 	cp /usr/share/datasets/fashion-mnist/*.gz $(GPU_DATA)/
 
 gpu-build:
-	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no GPU: \
-	  this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"
+	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  'no GPU: this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"
 	@mkdir -p $(GPU_OUT)
 	$(PIP) install --no-build-isolation --no-deps --no-index -e . > $(GPU_OUT)/build.log 2>&1 \
 	  || (tail -50 $(GPU_OUT)/build.log; exit 1)
