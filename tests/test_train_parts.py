@@ -65,3 +65,30 @@ def test_the_same_loader_stacks_a_dataset_of_single_samples():
     loader = train.data_loader(Samples(), [[4, 1, 2], [0, 5, 3]], CPU, SimpleNamespace(workers=0))
     for (x, y), indices in zip(loader, [[4, 1, 2], [0, 5, 3]], strict=True):
         assert torch.equal(x, images[indices]) and torch.equal(y, labels[indices])
+
+
+def test_loader_workers_per_rank_fit_the_cores(monkeypatch):
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [train.default_workers(ranks) for ranks in (1, 2, 8, 16, 32)] == [16, 8, 2, 1, 1]
+
+
+def test_seeded_samples_depend_on_seed_epoch_and_index_only():
+    """Each sample's random draws come from (seed, epoch, index): the same in another order,
+    another epoch's differ, and the caller's generator is left as it was."""
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.rand(3)
+
+    samples = train.bb.data.SeededSamples(Draws(), seed=7)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    forward = [samples[i] for i in range(4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    backward = [samples[i] for i in reversed(range(4))][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    assert not torch.equal(forward[0], forward[1])
+    samples.set_epoch(1)
+    assert not any(torch.equal(samples[i], forward[i]) for i in range(4))
