@@ -47,7 +47,7 @@ std::string format_milliseconds(double seconds) {
 // One timed trial call. On the host its Work's future ends it; on a device, events.
 struct Trial {
   size_t candidate = 0;
-  int round = 0;
+  int call = 0;  // its index among the candidate's trials: 0 is the warm-up
   Clock::time_point start;
   std::optional<c10::Event> start_event, end_event;
   c10::intrusive_ptr<c10d::Work> device_work;  // a device trial's Work, for its failure
@@ -90,14 +90,14 @@ int size_class_of(int64_t bytes) {
 AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
                                std::vector<PinnedClass> pinned,
                                c10::intrusive_ptr<c10d::Backend> agree,
-                               std::chrono::milliseconds timeout, int trial_rounds)
+                               std::chrono::milliseconds timeout, int calls_per_candidate)
     : rank_(rank),
       cpu_(cpu),
       cuda_(cuda),
       agree_(std::move(agree)),
       timeout_(timeout),
-      rounds_(trial_rounds) {
-  TORCH_CHECK(rounds_ >= 2, "torus: the tuner needs a warm-up round and a timed one");
+      calls_per_candidate_(calls_per_candidate) {
+  TORCH_CHECK(calls_per_candidate_ >= 2, "torus: the tuner needs a warm-up call and a timed one");
   for (const auto& entry : pinned) {
     TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
                 "torus: a pinned size class must be in [0, 62], got ", entry.size_class);
@@ -167,13 +167,13 @@ AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t b
     state.candidates = candidates(tuning, size_class);
     state.source = "measuring";
   }
-  const int64_t trials = rounds_ * static_cast<int64_t>(state.candidates.size());
+  const int64_t trials = calls_per_candidate_ * static_cast<int64_t>(state.candidates.size());
   if (!state.decided && state.trial_calls == trials) decide(device.type(), size_class, state);
   if (state.decided) return {*state.decided, nullptr};
 
   auto trial = std::make_shared<Trial>();
-  trial->candidate = static_cast<size_t>(state.trial_calls % state.candidates.size());
-  trial->round = static_cast<int>(state.trial_calls / state.candidates.size());
+  trial->candidate = static_cast<size_t>(state.trial_calls / calls_per_candidate_);
+  trial->call = static_cast<int>(state.trial_calls % calls_per_candidate_);
   ++state.trial_calls;
   if (device.is_cpu()) {
     trial->start = Clock::now();
@@ -224,7 +224,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   try {
     for (const auto& trial : state.trials) {
       const double seconds = trial->wait(deadline);
-      if (trial->round > 0) best[trial->candidate] = std::min(best[trial->candidate], seconds);
+      if (trial->call > 0) best[trial->candidate] = std::min(best[trial->candidate], seconds);
     }
     // The slowest rank's time counts, so every rank compares the same numbers.
     std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
@@ -251,7 +251,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
                       format_milliseconds(best[i]));
   std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
             << state.decided->describe() << " (" << times << ": the slowest rank's best of "
-            << rounds_ - 1 << " calls each)" << std::endl;
+            << calls_per_candidate_ - 1 << " calls each)" << std::endl;
 }
 
 std::vector<TableRow> AlgorithmTuner::table() const {

@@ -3,13 +3,15 @@
 // size class (the powers of two of bytes: a class holds the sizes in (2^(k-1), 2^k]).
 //
 // Under "auto" the tuner measures instead of guessing. The first calls of a class are trials:
-// round after round, each candidate runs one call on the caller's own data (rounds and
-// candidates in a fixed order, so every rank runs the same candidate on the same call). A
+// each candidate in turn runs a few calls on the caller's own data (in a fixed order, so every
+// rank runs the same candidate on the same call; consecutive calls, as the class will run
+// them: alternating candidates call by call charged each the cost of switching from the
+// other, which picked the torus at 4 MiB across emulated nodes where it runs 0.7x Gloo). A
 // trial is timed from its issue to its end: on the host by the clock and the Work's future, on
 // a device by events (the start on the caller's stream, the end on a stream of the tuner's that
 // waits for the Work), never by a host sync on the call's path. The call after the trials
-// decides: each rank takes the best time of each candidate over the rounds after the first
-// (a warm-up; 4 rounds, as 2 timed calls let this shared 2-core machine's noise flip choices),
+// decides: each rank takes the best time of each candidate over its calls after the first
+// (a warm-up; 4 calls, as 2 timed ones let this shared 2-core machine's noise flip choices),
 // the ranks combine them with one small MAX allreduce of the whole CPU group (the slowest
 // rank's time counts), and every rank picks the same fastest candidate. From then on
 // the class runs it: a table lookup, no extra collective. The decision blocks its call once,
@@ -87,7 +89,7 @@ class AlgorithmTuner {
   // one MAX allreduce of each decision; timeout: how long a decision waits for its trials.
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
-                 int trial_rounds = 4);
+                 int calls_per_candidate = 4);
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.
@@ -125,7 +127,7 @@ class AlgorithmTuner {
   const DeviceTuning cpu_, cuda_;
   const c10::intrusive_ptr<c10d::Backend> agree_;
   const std::chrono::milliseconds timeout_;
-  const int rounds_;
+  const int calls_per_candidate_;  // trials: the first a warm-up
 
   mutable std::mutex mutex_;  // guards classes_ and counts_ (held by a decision)
   std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;

@@ -46,7 +46,8 @@ Choice choice(const std::string& algorithm, int64_t segment_bytes) {
 
 void describe_choice(const std::optional<Choice>& choice, py::dict& row) {
   const bool torus = choice && choice->algorithm == Algorithm::Torus;
-  row["algorithm"] = choice ? py::object(py::str(torus ? "torus" : "flat")) : py::object(py::none());
+  row["algorithm"] =
+      choice ? py::object(py::str(torus ? "torus" : "flat")) : py::object(py::none());
   row["segment_bytes"] = torus ? py::object(py::int_(choice->segment_bytes)) : py::none();
 }
 

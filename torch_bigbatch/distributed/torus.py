@@ -245,9 +245,9 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
 
 
 def _agree_on_shape(store, rank, size, resolve):
-    """The shape from `resolve()`, checked against every rank's. Ranks that disagree on the shape (say, TORCH_BIGBATCH_TORUS or
-    LOCAL_WORLD_SIZE set differently) all fail at once with a message that names the shapes,
-    instead of at the first collective's timeout."""
+    """The shape from `resolve()`, checked against every rank's. Ranks that disagree on the
+    shape (say, TORCH_BIGBATCH_TORUS or LOCAL_WORLD_SIZE set differently) all fail at once with
+    a message that names the shapes, instead of at the first collective's timeout."""
     try:
         shape, problem = resolve(), None
     except ValueError as error:
