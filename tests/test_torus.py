@@ -462,7 +462,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 12 + [1_000_003] * 14 + [5] * 12
+    sizes = [300, 60_000] * 12 + [1_000_003] * 16 + [5] * 12
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -491,7 +491,7 @@ def test_auto_measures_and_every_rank_agrees():
     world = results[0][1]["world"]
     for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
         assert tables["world"] == world, f"rank {rank} chose otherwise"
-        assert sum(counts.values()) == 50
+        assert sum(counts.values()) == 52
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
     # 2.4 KB, 480 KB, 8 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 8 MiB and 64 bytes.
@@ -514,7 +514,7 @@ def decision_log(rank, world_size, port, folder):
     with open(path, "w") as log:
         os.dup2(log.fileno(), 2)
     init(rank, world_size, port)
-    for _ in range(9):  # 2 candidates x 4 rounds of trials, then the deciding call
+    for _ in range(11):  # 2 candidates x 5 trial calls, then the deciding call
         dist.all_reduce(torch.ones(1000))
     with open(path) as log:
         return log.read(), torus_algorithm(4000)

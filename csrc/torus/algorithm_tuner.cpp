@@ -7,9 +7,9 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
-#include <limits>
 #include <thread>
 
 namespace torch_bigbatch::torus {
@@ -34,6 +34,12 @@ std::string describe_class(c10::DeviceType device, int size_class) {
   return c10::str(c10::DeviceTypeName(device, /*lower_case=*/true), " allreduces ",
                   size_class == 0 ? "" : c10::str("over ", format_bytes(top / 2), " "), "up to ",
                   format_bytes(top));
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t middle = values.size() / 2;
+  return values.size() % 2 ? values[middle] : (values[middle - 1] + values[middle]) / 2;
 }
 
 std::string format_milliseconds(double seconds) {
@@ -220,12 +226,14 @@ c10::Stream AlgorithmTuner::timing_stream(c10::Device device) {
 void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& state) {
   const size_t count = state.candidates.size();
   const auto deadline = Clock::now() + timeout_;
-  std::vector<double> best(count, std::numeric_limits<double>::infinity());
+  std::vector<double> best(count);  // this rank's median per candidate, then the agreed one
   try {
+    std::vector<std::vector<double>> times(count);
     for (const auto& trial : state.trials) {
       const double seconds = trial->wait(deadline);
-      if (trial->call > 0) best[trial->candidate] = std::min(best[trial->candidate], seconds);
+      if (trial->call > 0) times[trial->candidate].push_back(seconds);
     }
+    for (size_t i = 0; i < count; ++i) best[i] = median(times[i]);
     // The slowest rank's time counts, so every rank compares the same numbers.
     std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
     c10d::AllreduceOptions options;
@@ -250,7 +258,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
     times += c10::str(i ? ", " : "", state.candidates[i].describe(), " ",
                       format_milliseconds(best[i]));
   std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
-            << state.decided->describe() << " (" << times << ": the slowest rank's best of "
+            << state.decided->describe() << " (" << times << ": the slowest rank's median of "
             << calls_per_candidate_ - 1 << " calls each)" << std::endl;
 }
 

@@ -10,8 +10,9 @@
 // trial is timed from its issue to its end: on the host by the clock and the Work's future, on
 // a device by events (the start on the caller's stream, the end on a stream of the tuner's that
 // waits for the Work), never by a host sync on the call's path. The call after the trials
-// decides: each rank takes the best time of each candidate over its calls after the first
-// (a warm-up; 4 calls, as 2 timed ones let this shared 2-core machine's noise flip choices),
+// decides: each rank takes the median time of each candidate over its calls after the first
+// (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
+// the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state),
 // the ranks combine them with one small MAX allreduce of the whole CPU group (the slowest
 // rank's time counts), and every rank picks the same fastest candidate. From then on
 // the class runs it: a table lookup, no extra collective. The decision blocks its call once,
@@ -89,7 +90,7 @@ class AlgorithmTuner {
   // one MAX allreduce of each decision; timeout: how long a decision waits for its trials.
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
-                 int calls_per_candidate = 4);
+                 int calls_per_candidate = 5);
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.

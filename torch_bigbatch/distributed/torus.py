@@ -322,7 +322,7 @@ def torus_algorithm_table(group=None) -> list[dict]:
     """The algorithm of each size class this torus group has seen, per device type: rows of
     {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"), algorithm,
     segment_bytes, candidates: [{algorithm, segment_bytes, seconds}, ...] (the slowest rank's
-    best time of each candidate)}. TorusOptions(table=...) takes these rows back."""
+    median time of each candidate)}. TorusOptions(table=...) takes these rows back."""
     return _torus_backend(group).algorithm_table()
 
 
