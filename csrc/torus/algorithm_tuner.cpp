@@ -64,21 +64,31 @@ struct Trial {
   std::exception_ptr failure;
   double seconds = 0;
 
+  // Ends the trial with `error`: its call failed (on the host, or before it was issued).
+  void fail(const std::exception_ptr& error) {
+    std::lock_guard<std::mutex> lock(mutex);
+    failure = error;
+    ended = true;
+    ended_cv.notify_all();
+  }
+
   // The trial's time, once it has ended; throws its failure, or a timeout at `deadline`.
   double wait(Clock::time_point deadline) {
-    if (end_event) {
-      while (!end_event->query()) {
-        TORCH_CHECK(Clock::now() < deadline, "its trial calls did not end in time");
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (!end_event) {
+        TORCH_CHECK(ended_cv.wait_until(lock, deadline, [this] { return ended; }),
+                    "its trial calls did not end in time");
       }
-      if (auto error = device_work->exception()) std::rethrow_exception(error);
-      return start_event->elapsedTime(*end_event) / 1000.0;
+      if (failure) std::rethrow_exception(failure);
+      if (!end_event) return seconds;
     }
-    std::unique_lock<std::mutex> lock(mutex);
-    TORCH_CHECK(ended_cv.wait_until(lock, deadline, [this] { return ended; }),
-                "its trial calls did not end in time");
-    if (failure) std::rethrow_exception(failure);
-    return seconds;
+    while (!end_event->query()) {
+      TORCH_CHECK(Clock::now() < deadline, "its trial calls did not end in time");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (auto error = device_work->exception()) std::rethrow_exception(error);
+    return start_event->elapsedTime(*end_event) / 1000.0;
   }
 };
 
@@ -197,9 +207,9 @@ void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Wor
   if (!trial) return;
   if (!trial->end_event) {
     work->getFuture()->addCallback([trial](c10::ivalue::Future& future) {
+      if (future.hasError()) return trial->fail(future.exception_ptr());
       std::lock_guard<std::mutex> lock(trial->mutex);
       trial->seconds = std::chrono::duration<double>(Clock::now() - trial->start).count();
-      if (future.hasError()) trial->failure = future.exception_ptr();
       trial->ended = true;
       trial->ended_cv.notify_all();
     });
@@ -212,6 +222,10 @@ void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Wor
   work->synchronize();
   trial->end_event->record(stream);
   trial->device_work = work;
+}
+
+void AlgorithmTuner::abandon(const Call& call, const std::exception_ptr& error) {
+  if (call.trial) call.trial->fail(error);
 }
 
 c10::Stream AlgorithmTuner::timing_stream(c10::Device device) {

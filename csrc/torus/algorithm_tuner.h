@@ -100,6 +100,8 @@ class AlgorithmTuner {
   };
   Call begin(c10::Device device, int64_t bytes);
   void finish(const Call& call, const c10::intrusive_ptr<c10d::Work>& work);
+  // The call could not be issued: a trial ends with the error (its decision raises it).
+  void abandon(const Call& call, const std::exception_ptr& error);
 
   // The choice of the allreduce of `bytes` on `device`; none while its class is measured.
   std::optional<Choice> chosen(c10::DeviceType device, int64_t bytes) const;

@@ -145,11 +145,16 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                 "integer types are)");
   }
   const AlgorithmTuner::Call call = tuner_.begin(first.device(), bytes);
-  c10::intrusive_ptr<c10d::Work> work =
-      call.choice.algorithm == Algorithm::Flat
-          ? whole_allreduce(engines, std::move(tensors), op, op_type)
-          : pipeline_allreduce(std::move(tensors), op, op_type, collective,
-                               call.choice.segment_bytes);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = call.choice.algorithm == Algorithm::Flat
+               ? whole_allreduce(engines, std::move(tensors), op, op_type)
+               : pipeline_allreduce(std::move(tensors), op, op_type, collective,
+                                    call.choice.segment_bytes);
+  } catch (...) {
+    tuner_.abandon(call, std::current_exception());
+    throw;
+  }
   tuner_.finish(call, work);
   return work;
 }
