@@ -2,6 +2,7 @@
 
 #include "torus/flat_buffer.h"
 #include "torus/local_reduce.h"
+#include "torus/work_waiter.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -82,6 +83,8 @@ struct HostPipeline::Context {
   TorusShape shape;
   Engines engines;
   ScratchPool scratch;
+  // The direct exchanges' Works, in issue order, one thread per phase (see exchange_directly).
+  WorkWaiter row_scatter_waiter, column_waiter, row_gather_waiter;
   std::mutex mutex;
   std::exception_ptr failure;  // the first one: the backend is unusable after it
 
@@ -102,6 +105,20 @@ struct Call {
   int64_t numel = 0;
   int32_t kind = 0;
   std::atomic<int64_t> segments_left{0};
+  // What the headers told so far, over all segments: the phases of different segments check
+  // them on different threads.
+  std::mutex mutex;
+  int32_t mismatch = 0;         // as in Header
+  std::string mismatch_detail;  // what this rank saw, when it saw it itself
+
+  Header header() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return Header{numel, kind, mismatch};
+  }
+  bool mismatched() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return mismatch != 0;
+  }
 };
 
 struct Segment {
@@ -110,11 +127,12 @@ struct Segment {
   at::Tensor part;               // the call's elements of this segment
   Split row;                     // the segment in X parts, one per row member
   Split column;                  // this rank's row part in Y pieces, one per column member
-  // The phases' buffers: the row reduce-scatter's X parts of this rank's row part (in the
-  // dtype), then byte buffers of header regions.
+  // The phases' buffers: the other row members' parts of this rank's row part (in the dtype),
+  // the other column member's row sum (a column of two), else byte buffers of header regions.
   at::Tensor received, column_in, column_out, column_gather_in, column_gathered, row_in, row_out;
-  int32_t mismatch = 0;         // as in Header
-  std::string mismatch_detail;  // what this rank saw, when it saw it itself
+  // A direct exchange's headers (the call's last segment): this rank's, the members'.
+  at::Tensor header_sent, headers_received;
+  at::Tensor row_sum;  // where this rank's row part of the result goes (see row_result)
 
   at::ScalarType dtype() const { return part.scalar_type(); }
   int64_t element_size() const { return part.element_size(); }
@@ -131,28 +149,37 @@ void fail(const ContextPtr& context, Call& call, const std::exception_ptr& error
   call.work->fail(error);
 }
 
-// Runs `next` on the thread that completes `work`. A failed phase, an earlier failure of the
-// backend (the groups' sequences may differ between ranks now) or an error in `next` fails the
-// call, so nothing pairs with the wrong peer.
+// After `phase` ended (with `error`, the engine's message, when it failed): runs `next`. A
+// failed phase, an earlier failure of the backend (the groups' sequences may differ between
+// ranks now) or an error in `next` fails the call, so nothing pairs with the wrong peer.
+void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
+             const std::optional<std::string>& error, Stage next) {
+  try {
+    if (error) {
+      TORCH_CHECK(false,
+                  describe_failure(context->shape, phase, segment->index, segment->count, *error));
+    }
+    if (auto failure = context->first_failure()) std::rethrow_exception(failure);
+    next(context, segment);
+  } catch (...) {
+    fail(context, *segment->call, std::current_exception());
+  }
+}
+
+// Runs `next` on the thread that completes `work` (see advance).
 void then(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
           const c10::intrusive_ptr<c10d::Work>& work, Stage next) {
   work->getFuture()->addCallback(
       [context, segment, phase, next](c10::ivalue::Future& future) {
-        try {
-          if (future.hasError()) {
-            TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index,
-                                                segment->count, future.tryRetrieveErrorMessage()));
-          }
-          if (auto failure = context->first_failure()) std::rethrow_exception(failure);
-          next(context, segment);
-        } catch (...) {
-          fail(context, *segment->call, std::current_exception());
-        }
+        advance(context, segment, phase,
+                future.hasError() ? std::optional<std::string>(future.tryRetrieveErrorMessage())
+                                  : std::nullopt,
+                next);
       });
 }
 
 void write_headers(const Segment& segment, at::Tensor& buffer, const Exchange& exchange) {
-  const Header header{segment.call->numel, segment.call->kind, segment.mismatch};
+  const Header header = segment.call->header();
   for (int64_t offset : exchange.offsets)
     std::memcpy(buffer.data_ptr<uint8_t>() + offset, &header, sizeof header);
 }
@@ -166,23 +193,29 @@ void replicate(const Segment& segment, at::Tensor& buffer, const Exchange& excha
   rows.narrow(0, 1, count - 1).copy_(rows[0].expand({count - 1, rows.size(1)}));
 }
 
-// Compares the headers received from the members of `group` with this rank's call. A
-// difference, or a mismatch a sender passes on, marks the segment; the flag travels on in this
-// rank's headers. Where sizes differ the regions after the first are misaligned: their headers
-// only flag.
+// Compares a header that `sender` (a rank of the whole group) sent with this rank's call. A
+// difference, or a mismatch the sender passes on, marks the call; the flag travels on in this
+// rank's headers. `aligned`: the header is where the sender wrote it (where sizes differ, the
+// regions after the first are misaligned: their headers only flag).
+void check_header(const HostPipeline::Context& context, Call& call, const Header& header,
+                  int sender, bool aligned) {
+  std::lock_guard<std::mutex> lock(call.mutex);
+  if (call.mismatch == 0) call.mismatch = header.mismatch;
+  if (header.numel == call.numel && header.kind == call.kind) return;
+  if (call.mismatch == 0) call.mismatch = 1 + context.shape.rank;
+  if (call.mismatch_detail.empty() && (aligned || header.numel == call.numel))
+    call.mismatch_detail =
+        c10::str("rank ", sender, " passed ", describe_call(header.numel, header.kind));
+}
+
+// The headers of an exchange's regions, received from the members of `group`.
 void check_headers(const HostPipeline::Context& context, Segment& segment,
                    const at::Tensor& buffer, const Exchange& exchange,
                    const std::vector<int>& group) {
-  const Call& call = *segment.call;
   for (size_t k = 0; k < exchange.offsets.size(); ++k) {
     Header header;
     std::memcpy(&header, buffer.data_ptr<uint8_t>() + exchange.offsets[k], sizeof header);
-    if (segment.mismatch == 0) segment.mismatch = header.mismatch;
-    if (header.numel == call.numel && header.kind == call.kind) continue;
-    if (segment.mismatch == 0) segment.mismatch = 1 + context.shape.rank;
-    if (segment.mismatch_detail.empty() && (k == 0 || header.numel == call.numel))
-      segment.mismatch_detail = c10::str("rank ", group[exchange.members[k]], " passed ",
-                                         describe_call(header.numel, header.kind));
+    check_header(context, *segment.call, header, group[exchange.members[k]], k == 0);
   }
 }
 
@@ -206,7 +239,6 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_gather(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment);
-void after_row_gather(const ContextPtr& context, const SegmentPtr& segment);
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void finish(const ContextPtr& context, const SegmentPtr& segment);
@@ -217,35 +249,97 @@ int64_t row_size(const TorusShape& shape, const Segment& segment) {
 int64_t piece_size(const TorusShape& shape, const Segment& segment) {
   return segment.column.sizes[shape.y()];
 }
-// The row allgather's regions: this rank's row part to every row member.
-Exchange row_gather_in(const TorusShape& shape, const Segment& segment) {
-  return Exchange(std::vector<int64_t>(shape.columns, row_size(shape, segment)), shape.x(),
-                  segment.part);
-}
 // A column of two allreduces its row parts in one exchange (each member sends its part to the
 // other, both sum): the bytes of a reduce-scatter plus an allgather, in one step instead of two.
 bool one_shot_column(const TorusShape& shape) { return shape.rows == 2; }
 Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int64_t size) {
   return Exchange(std::vector<int64_t>(shape.rows, size), shape.y(), segment.part);
 }
-// The result of this rank's row part: in region 0 of the row allgather's input, or, with one
-// column, the segment itself (a scratch copy when the ranks' calls differ: the caller's buffer
-// is not written then).
-at::Tensor row_result(const ContextPtr& context, Segment& segment) {
-  const TorusShape& shape = context->shape;
-  if (shape.columns > 1) {
-    const Exchange sent = row_gather_in(shape, segment);
-    segment.row_in = context->scratch.take(sent.total);
-    return sent.data(segment.row_in, 0);
-  }
-  return segment.mismatch == 0 ? segment.part : at::empty_like(segment.part);
+// Where the result of this rank's row part goes: its place in the segment, from where the row
+// allgather sends it. With one column that is the whole segment (a scratch copy when the ranks'
+// calls differ: the caller's buffer is not written then).
+at::Tensor row_result(Segment& segment, const TorusShape& shape) {
+  if (shape.columns > 1)
+    return segment.part.narrow(0, segment.row.offsets[shape.x()], row_size(shape, segment));
+  return segment.call->mismatched() ? at::empty_like(segment.part) : segment.part;
 }
+
+// Direct exchanges (Gloo's send and recv) move each part from its place and into its place:
+// an alltoall needs one contiguous input and output, so it stages a copy of what a member sends
+// and of what it receives. The headers that an alltoall's regions carry are exchanged once per
+// call instead, with its last segment; ranks whose calls differ have written the caller's
+// buffer by then, as a plain Gloo allreduce does, and all of them fail at the call's end.
+constexpr int kDataTag = 0;
+constexpr int kHeaderTag = 1;
+
+struct Transfer {
+  int peer;  // its rank in the phase's group
+  at::Tensor data;
+};
+
+// Posts `sends` and `receives` on `group` (this rank is `me` of `members`, whole-group ranks)
+// and, with the call's last segment, a header to and from every other member; `waiter` runs
+// `next` once all of them ended (see advance).
+void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
+                       std::vector<int> members, int me, const std::vector<Transfer>& sends,
+                       const std::vector<Transfer>& receives, WorkWaiter& waiter, Phase phase,
+                       Stage next) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  auto post = [&](bool send, at::Tensor data, int peer, int tag) {
+    std::vector<at::Tensor> tensors{std::move(data)};
+    try {  // Gloo posts at once: a peer known to be gone fails here
+      works.push_back(send ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag));
+    } catch (...) {
+      TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index, segment->count,
+                                          message_of(std::current_exception())));
+    }
+  };
+  const bool last = segment->index + 1 == segment->count;
+  if (last) {
+    const Header header = segment->call->header();
+    segment->header_sent = at::empty({kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(segment->header_sent.data_ptr<uint8_t>(), &header, sizeof header);
+    const int64_t count = static_cast<int64_t>(members.size());
+    segment->headers_received =
+        at::empty({count, kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
+    for (int j = 0; j < count; ++j) {
+      if (j == me) continue;
+      post(true, segment->header_sent, j, kHeaderTag);
+      post(false, segment->headers_received[j], j, kHeaderTag);
+    }
+  }
+  for (const Transfer& transfer : sends)
+    if (transfer.data.numel() > 0) post(true, transfer.data, transfer.peer, kDataTag);
+  for (const Transfer& transfer : receives)
+    if (transfer.data.numel() > 0) post(false, transfer.data, transfer.peer, kDataTag);
+  waiter.wait_then(std::move(works), [context, segment, members = std::move(members), me, last,
+                                      phase, next](const std::exception_ptr& error) {
+    if (!error && last) {
+      for (int j = 0; j < static_cast<int>(members.size()); ++j) {
+        if (j == me) continue;
+        Header header;
+        std::memcpy(&header, segment->headers_received[j].data_ptr<uint8_t>(), sizeof header);
+        check_header(*context, *segment->call, header, members[j], true);
+      }
+    }
+    advance(context, segment, phase,
+            error ? std::optional<std::string>(message_of(error)) : std::nullopt, next);
+  });
+}
+
+// This rank's row part of the result, in its place, to every row member; theirs into theirs.
 void row_allgather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  allgather(context, segment, *context->engines.row_gather, segment->row_in,
-            row_gather_in(shape, *segment), segment->row_out,
-            Exchange(segment->row.sizes, shape.x(), segment->part), Phase::RowGather,
-            after_row_gather);
+  const Split& parts = segment->row;
+  const int x = shape.x();
+  std::vector<Transfer> sends, receives;
+  for (int j = 0; j < shape.columns; ++j) {
+    if (j == x) continue;
+    sends.push_back({j, segment->part.narrow(0, parts.offsets[x], parts.sizes[x])});
+    receives.push_back({j, segment->part.narrow(0, parts.offsets[j], parts.sizes[j])});
+  }
+  exchange_directly(context, segment, *context->engines.row_gather, shape.row_ranks(), x, sends,
+                    receives, context->row_gather_waiter, Phase::RowGather, finish);
 }
 
 // Calling thread. Small buffers: every row member's whole buffer to every other (or, in a row
@@ -270,19 +364,19 @@ void start_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
 // This member's buffer plus the row's: the result (one row), or what goes to the column.
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  const Call& call = *segment->call;
+  Call& call = *segment->call;
   const int64_t size = segment->part.numel();
   const Exchange peers(std::vector<int64_t>(shape.columns, size), shape.x(), segment->part);
   check_headers(*context, *segment, segment->row_out, peers, shape.row_ranks());
-  at::Tensor sum = segment->part;  // this member's buffer
+  at::Tensor sum = segment->part;  // in place: this member's buffer
   if (shape.rows > 1) {
     const Exchange sent = column_one_shot_in(shape, *segment, size);
     segment->column_in = context->scratch.take(sent.total);
-    sum = sent.data(segment->column_in, 0).copy_(segment->part);
-  } else if (segment->mismatch != 0) {
-    sum = segment->part.clone();
+    sum = sent.data(segment->column_in, 0);
+  } else if (call.mismatched()) {
+    sum = at::empty_like(segment->part);
   }
-  accumulate_rows(sum, peers.rows(segment->row_out), call.op);
+  reduce_into(sum, segment->part, peers.rows(segment->row_out), call.op);
   context->scratch.give(std::move(segment->row_in));
   context->scratch.give(std::move(segment->row_out));
   if (shape.rows == 1) {
@@ -297,73 +391,91 @@ void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
 // The row's sum plus the column's: the result.
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  const Call& call = *segment->call;
+  Call& call = *segment->call;
   const Exchange peers = column_one_shot_in(shape, *segment, segment->part.numel());
   check_headers(*context, *segment, segment->column_out, peers, shape.column_ranks());
-  at::Tensor result =
-      segment->mismatch == 0 ? segment->part : at::empty_like(segment->part);
-  result.copy_(peers.data(segment->column_in, 0));
-  accumulate_rows(result, peers.rows(segment->column_out), call.op);
+  at::Tensor result = call.mismatched() ? at::empty_like(segment->part) : segment->part;
+  reduce_into(result, peers.data(segment->column_in, 0), peers.rows(segment->column_out), call.op);
   finish_average(result, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_in));
   context->scratch.give(std::move(segment->column_out));
   finish(context, segment);
 }
 
-// Calling thread: the row reduce-scatter (X parts of the segment to the X row members).
+// Calling thread: the row reduce-scatter, direct: the other row members' parts of the segment
+// go to them from their places, and their contributions to this rank's part arrive in
+// `received`.
 void start(const ContextPtr& context, const SegmentPtr& segment) {
   if (segment->count == 1 && segment->part.numel() * segment->element_size() <= kOneShotBytes)
     return start_one_shot(context, segment);
   const TorusShape& shape = context->shape;
   if (shape.columns == 1) return after_row_scatter(context, segment);
+  const Split& parts = segment->row;
+  const int x = shape.x();
   const int64_t size = row_size(shape, *segment);
-  segment->received =
-      context->scratch.take(shape.columns * size * segment->element_size()).view(segment->dtype());
-  then(context, segment, Phase::RowScatter,
-       exchange(*context->engines.row_scatter, segment->received, segment->part,
-                std::vector<int64_t>(shape.columns, size), segment->row.sizes),
-       after_row_scatter);
+  segment->received = context->scratch.take((shape.columns - 1) * size * segment->element_size())
+                          .view(segment->dtype())
+                          .view({shape.columns - 1, size});
+  std::vector<Transfer> sends, receives;
+  for (int j = 0, k = 0; j < shape.columns; ++j) {
+    if (j == x) continue;
+    sends.push_back({j, segment->part.narrow(0, parts.offsets[j], parts.sizes[j])});
+    receives.push_back({j, segment->received[k++]});
+  }
+  // No headers here: the row allgather exchanges them (the caller's buffer must not change
+  // before this phase's sends ended, and a header exchange adds a step to every call).
+  exchange_directly(context, segment, *context->engines.row_scatter, {}, x, sends, receives,
+                    context->row_scatter_waiter, Phase::RowScatter, after_row_scatter);
 }
 
-// The sum of the X parts received is this rank's row part, reduced along the row: the result
-// (one row), or what the column allreduces (a column of two) or reduce-scatters.
+// This rank's row part plus what the row members sent is the part reduced along the row, in
+// place: the result (one row), or what the column allreduces (a column of two) or
+// reduce-scatters.
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
   const int64_t size = row_size(shape, *segment);
-  const at::Tensor rows = shape.columns > 1 ? segment->received.view({shape.columns, size})
-                                            : segment->part.view({1, size});
+  segment->row_sum = row_result(*segment, shape);
+  at::Tensor& sum = segment->row_sum;
+  const at::Tensor mine = shape.columns > 1 ? sum : segment->part;  // this rank's contribution
+  const at::Tensor others =
+      shape.columns > 1 ? segment->received : segment->part.new_empty({0, size});
   if (shape.rows == 1) {
-    at::Tensor reduced = row_result(context, *segment);
-    reduce_rows(reduced, rows, call.op);
-    finish_average(reduced, call.op, shape.columns);
+    reduce_into(sum, mine, others, call.op);
+    finish_average(sum, call.op, shape.columns);
     context->scratch.give(std::move(segment->received));
     return row_allgather(context, segment);
   }
   if (one_shot_column(shape)) {
-    const Exchange sent = column_one_shot_in(shape, *segment, size);
-    segment->column_in = context->scratch.take(sent.total);
-    at::Tensor reduced = sent.data(segment->column_in, 0);
-    reduce_rows(reduced, rows, call.op);
+    reduce_into(sum, mine, others, call.op);
     context->scratch.give(std::move(segment->received));
-    return allgather(context, segment, *context->engines.column, segment->column_in, sent,
-                     segment->column_out, sent, Phase::ColumnAllreduce, after_column_allreduce);
+    const int y = shape.y();
+    segment->column_out =
+        context->scratch.take(size * segment->element_size()).view(segment->dtype());
+    return exchange_directly(context, segment, *context->engines.column, shape.column_ranks(), y,
+                             {{1 - y, sum}}, {{1 - y, segment->column_out}},
+                             context->column_waiter, Phase::ColumnAllreduce,
+                             after_column_allreduce);
   }
-  // The Y pieces of the row part: the other members' to them, this rank's kept for the sum.
+  // The Y pieces of the row part, reduced along the row: the other members' to them, this
+  // rank's kept for the sum.
   const Split& pieces = segment->column;
   const Exchange sent(pieces.sizes, shape.y(), segment->part);
   segment->column_in = context->scratch.take(sent.total);
   for (size_t k = 0; k < sent.members.size(); ++k) {
     const int j = sent.members[k];
     at::Tensor reduced = sent.data(segment->column_in, k);
-    reduce_rows(reduced, rows.narrow(1, pieces.offsets[j], pieces.sizes[j]), call.op);
+    reduce_into(reduced, mine.narrow(0, pieces.offsets[j], pieces.sizes[j]),
+                others.narrow(1, pieces.offsets[j], pieces.sizes[j]), call.op);
   }
   write_headers(*segment, segment->column_in, sent);
   const Exchange own(std::vector<int64_t>(shape.rows, piece_size(shape, *segment)), shape.y(),
                      segment->part);  // the column allgather's input; region 0: this piece
   segment->column_gather_in = context->scratch.take(own.total);
   at::Tensor piece = own.data(segment->column_gather_in, 0);
-  reduce_rows(piece, rows.narrow(1, pieces.offsets[shape.y()], pieces.sizes[shape.y()]), call.op);
+  const int y = shape.y();
+  reduce_into(piece, mine.narrow(0, pieces.offsets[y], pieces.sizes[y]),
+              others.narrow(1, pieces.offsets[y], pieces.sizes[y]), call.op);
   context->scratch.give(std::move(segment->received));
   segment->column_out = context->scratch.take(own.total);
   then(context, segment, Phase::ColumnScatter,
@@ -380,7 +492,7 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
                      segment->part);
   check_headers(*context, *segment, segment->column_out, own, shape.column_ranks());
   at::Tensor piece = own.data(segment->column_gather_in, 0);
-  accumulate_rows(piece, own.rows(segment->column_out), call.op);
+  reduce_into(piece, piece, own.rows(segment->column_out), call.op);
   finish_average(piece, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_in));
   context->scratch.give(std::move(segment->column_out));
@@ -389,12 +501,9 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
             Phase::ColumnGather, after_column_gather);
 }
 
-// The column's result is in place: its two buffers go back, and the row's allgather follows
-// (in a torus of one column, the end).
-void column_done(const ContextPtr& context, const SegmentPtr& segment, at::Tensor& received,
-                 at::Tensor& sent) {
-  context->scratch.give(std::move(received));
-  context->scratch.give(std::move(sent));
+// The column's result is in place: the row's allgather follows (in a torus of one column, the
+// end).
+void column_done(const ContextPtr& context, const SegmentPtr& segment) {
   if (context->shape.columns > 1) return row_allgather(context, segment);
   finish(context, segment);
 }
@@ -405,7 +514,7 @@ void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
   const Split& pieces = segment->column;
   const Exchange gathered(pieces.sizes, shape.y(), segment->part);
   check_headers(*context, *segment, segment->column_gathered, gathered, shape.column_ranks());
-  at::Tensor part = row_result(context, *segment);
+  at::Tensor& part = segment->row_sum;
   const int y = shape.y();
   const Exchange own(std::vector<int64_t>(shape.rows, pieces.sizes[y]), y, segment->part);
   part.narrow(0, pieces.offsets[y], pieces.sizes[y]).copy_(own.data(segment->column_gather_in, 0));
@@ -414,57 +523,37 @@ void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
     part.narrow(0, pieces.offsets[j], pieces.sizes[j])
         .copy_(gathered.data(segment->column_gathered, k));
   }
-  column_done(context, segment, segment->column_gather_in, segment->column_gathered);
+  context->scratch.give(std::move(segment->column_gather_in));
+  context->scratch.give(std::move(segment->column_gathered));
+  column_done(context, segment);
 }
 
-// The column's sum of this rank's row part: the result's row part, to every row member.
+// This rank's row sum plus the other column member's, in place: the result's row part.
 void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
-  const Exchange peers = column_one_shot_in(shape, *segment, row_size(shape, *segment));
-  check_headers(*context, *segment, segment->column_out, peers, shape.column_ranks());
-  at::Tensor part = row_result(context, *segment);
-  part.copy_(peers.data(segment->column_in, 0));
-  accumulate_rows(part, peers.rows(segment->column_out), call.op);
-  finish_average(part, call.op, shape.columns * shape.rows);
-  column_done(context, segment, segment->column_in, segment->column_out);
+  reduce_pair(segment->row_sum, segment->row_sum, segment->column_out, call.op);
+  finish_average(segment->row_sum, call.op, shape.columns * shape.rows);
+  context->scratch.give(std::move(segment->column_out));
+  column_done(context, segment);
 }
 
-// This rank's row part and the others' are the segment's result.
-void after_row_gather(const ContextPtr& context, const SegmentPtr& segment) {
-  const TorusShape& shape = context->shape;
-  const Split& parts = segment->row;
-  const Exchange gathered(parts.sizes, shape.x(), segment->part);
-  check_headers(*context, *segment, segment->row_out, gathered, shape.row_ranks());
-  if (segment->mismatch == 0) {
-    const int x = shape.x();
-    segment->part.narrow(0, parts.offsets[x], parts.sizes[x])
-        .copy_(row_gather_in(shape, *segment).data(segment->row_in, 0));
-    for (size_t k = 0; k < gathered.members.size(); ++k) {
-      const int j = gathered.members[k];
-      segment->part.narrow(0, parts.offsets[j], parts.sizes[j])
-          .copy_(gathered.data(segment->row_out, k));
-    }
-  }
-  context->scratch.give(std::move(segment->row_in));
-  context->scratch.give(std::move(segment->row_out));
-  finish(context, segment);
-}
-
-// Every rank ends each segment knowing whether any two ranks' calls differed (the last phase's
-// headers carry what the earlier ones saw): all fail together, or the segment is done.
+// Every rank ends a call's last segment knowing whether any two ranks' calls differed (the
+// last phase's headers carry what the earlier ones saw): all fail together, or the call is done.
 void finish(const ContextPtr& context, const SegmentPtr& segment) {
   Call& call = *segment->call;
-  TORCH_CHECK(segment->mismatch == 0,
-              describe_mismatch(context->shape,
-                                segment->mismatch_detail.empty()
-                                    ? c10::str("rank ", segment->mismatch - 1, " saw it first")
-                                    : segment->mismatch_detail,
-                                call.numel, call.kind));
-  if (--call.segments_left == 0) {
-    call.buffer.copy_out();
-    call.work->complete();
+  if (--call.segments_left > 0) return;
+  {
+    std::lock_guard<std::mutex> lock(call.mutex);
+    TORCH_CHECK(call.mismatch == 0,
+                describe_mismatch(context->shape,
+                                  call.mismatch_detail.empty()
+                                      ? c10::str("rank ", call.mismatch - 1, " saw it first")
+                                      : call.mismatch_detail,
+                                  call.numel, call.kind));
   }
+  call.buffer.copy_out();
+  call.work->complete();
 }
 
 }  // namespace

@@ -1,25 +1,30 @@
 // The torus allreduce on engines whose collectives complete on the host (Gloo, CPU tensors).
 //
-// A buffer is cut into segments; each goes through four direct exchanges (Gloo's alltoall: one
-// step to every peer at once, where Gloo's ring allreduce takes 2(p-1) steps):
+// A buffer is cut into segments; each goes through four exchanges (direct: one step to every
+// peer at once, where Gloo's ring allreduce takes 2(p-1) steps):
 //   row reduce-scatter   each row member sends the k-th part of its segment to member k, which
-//                        sums the X parts it receives;
+//                        sums the X parts it receives (Gloo's alltoall) into its place;
 //   column reduce-scatter the same along the column with that part, cut into Y pieces;
 //   column allgather     each column member sends its reduced piece to every member;
-//   row allgather        each row member sends its reduced part to every member.
+//   row allgather        each row member sends its reduced part to every member, from its place
+//                        in the buffer, and receives theirs in their places (Gloo's send and
+//                        recv: no staging copies).
 // A row or column of one rank skips its two phases. Parts differ by at most one element, so
 // no buffer is padded or copied whole because of its length.
 //
-// Ordering without a progress thread: the calling thread issues every segment's row
+// Ordering without a progress thread of its own: the calling thread issues every segment's row
 // reduce-scatter, in call and segment order; each later phase is issued by the callback of the
 // phase before it, which runs on the single worker thread of that phase's process group in
-// completion order, which is issue order. So every group sees its collectives in the same order
-// on every rank, and a phase costs one thread handoff.
+// completion order, which is issue order (the row allgather's sends and receives, which have no
+// callback, are waited for in issue order by one thread, WorkWaiter). So every group sees its
+// collectives in the same order on every rank, and a phase costs one thread handoff.
 //
-// Every region exchanged after the first phase starts with a header (the call's element count,
-// dtype, op, and the first rank that saw them differ), so ranks that pass different sizes fail
-// together with a message instead of summing misaligned data: within a row the row allgather
-// compares, across rows the column phases do and pass the flag on (see header_check).
+// Ranks that pass different sizes fail together with a message instead of summing misaligned
+// data: every region exchanged in the column phases starts with a header (the call's element
+// count, dtype, op, and the first rank that saw them differ), and the row allgather exchanges
+// one such header per call, with its last segment; across rows the column phases compare and
+// pass the flag on (see check_header), within a row the row allgather does. A call fails at
+// its end, on every rank.
 #pragma once
 
 #include "torus/scratch_pool.h"

@@ -4,62 +4,46 @@
 
 namespace torch_bigbatch::torus {
 
-namespace {
-
-void combine(at::Tensor& out, const at::Tensor& other, const c10d::ReduceOp& op) {
+void reduce_pair(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                 const c10d::ReduceOp& op) {
   switch (op.op_) {
     case c10d::ReduceOp::SUM:
     case c10d::ReduceOp::AVG:
-      out.add_(other);
+      at::add_out(out, a, b);
       return;
     case c10d::ReduceOp::PRODUCT:
-      out.mul_(other);
+      at::mul_out(out, a, b);
       return;
     case c10d::ReduceOp::MIN:
-      at::minimum_out(out, out, other);
+      at::minimum_out(out, a, b);
       return;
     case c10d::ReduceOp::MAX:
-      at::maximum_out(out, out, other);
+      at::maximum_out(out, a, b);
       return;
     case c10d::ReduceOp::BAND:
-      out.bitwise_and_(other);
+      at::bitwise_and_out(out, a, b);
       return;
     case c10d::ReduceOp::BOR:
-      out.bitwise_or_(other);
+      at::bitwise_or_out(out, a, b);
       return;
     case c10d::ReduceOp::BXOR:
-      out.bitwise_xor_(other);
+      at::bitwise_xor_out(out, a, b);
       return;
     default:
       TORCH_CHECK(false, "torus: no local reduction for this ReduceOp");
   }
 }
 
-}  // namespace
-
-void accumulate_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op) {
-  for (int64_t k = 0; k < rows.size(0); ++k) combine(out, rows[k], op);
-}
-
-void reduce_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op) {
-  switch (op.op_) {  // one pass over the rows where ATen has one
-    case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::AVG:
-      at::sum_out(out, rows, {0});
-      return;
-    case c10d::ReduceOp::PRODUCT:
-      at::prod_out(out, rows, 0);
-      return;
-    case c10d::ReduceOp::MIN:
-      at::amin_out(out, rows, {0});
-      return;
-    case c10d::ReduceOp::MAX:
-      at::amax_out(out, rows, {0});
-      return;
-    default:
-      out.copy_(rows[0]);
-      accumulate_rows(out, rows.narrow(0, 1, rows.size(0) - 1), op);
+void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& rows,
+                 const c10d::ReduceOp& op) {
+  // Pairwise, not ATen's reduction over dim 0: for two rows at::sum_out took 3x add_out's time
+  // (measured on 2 MiB rows).
+  if (rows.size(0) == 0) {
+    if (!out.is_same(first)) out.copy_(first);
+    return;
   }
+  reduce_pair(out, first, rows[0], op);
+  for (int64_t k = 1; k < rows.size(0); ++k) reduce_pair(out, out, rows[k], op);
 }
 
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op) {

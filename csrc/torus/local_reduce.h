@@ -7,11 +7,14 @@
 
 namespace torch_bigbatch::torus {
 
-// out[i] = rows[0][i] op rows[1][i] op ... for rows of shape [X, n].
-void reduce_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op);
+// out[i] = a[i] op b[i], in one pass (out may be a or b).
+void reduce_pair(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                 const c10d::ReduceOp& op);
 
-// out[i] = out[i] op rows[0][i] op rows[1][i] ...: what other members sent, added to this one's.
-void accumulate_rows(at::Tensor& out, const at::Tensor& rows, const c10d::ReduceOp& op);
+// out[i] = first[i] op rows[0][i] op rows[1][i] ... for rows of shape [k, n] (k may be 0);
+// out may be first: what other members sent, added to this one's in place.
+void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& rows,
+                 const c10d::ReduceOp& op);
 
 // The op the engines run: AVG is summed, then divided once by finish_average.
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op);

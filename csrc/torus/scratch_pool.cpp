@@ -22,7 +22,8 @@ void ScratchPool::give(at::Tensor buffer) {
   if (!buffer.defined()) return;
   std::lock_guard<std::mutex> lock(mutex_);
   if (free_.size() == kMaxKept) free_.erase(free_.begin());
-  free_.push_back(buffer.view(at::kByte));  // take() hands out bytes, viewed as any dtype
+  // take() hands out flat bytes, viewed as any dtype and shape
+  free_.push_back(buffer.view(at::kByte).view({-1}));
 }
 
 }  // namespace torch_bigbatch::torus

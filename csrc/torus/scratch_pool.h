@@ -14,7 +14,8 @@ class ScratchPool {
  public:
   // A byte tensor of `bytes` bytes on the CPU, contents undefined.
   at::Tensor take(int64_t bytes);
-  // Returns a tensor from take(), in any dtype, to the pool (an undefined tensor is ignored).
+  // Returns a tensor from take(), in any dtype and shape, to the pool (an undefined tensor is
+  // ignored).
   void give(at::Tensor buffer);
 
  private:

@@ -1,0 +1,52 @@
+// A thread that waits for Works that have no future to call back from (Gloo's send and recv),
+// batch after batch in the order given, and then runs each batch's continuation. The host
+// pipeline's row allgather uses it: its direct sends and receives land in place, where Gloo's
+// alltoall needed a staged copy of every region on both sides.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace torch_bigbatch::torus {
+
+class WorkWaiter {
+ public:
+  // Gets the first failure of a batch's Works (nullptr: all ended well); may throw, which is
+  // swallowed (it must end its call itself).
+  using Then = std::function<void(const std::exception_ptr&)>;
+
+  WorkWaiter();
+  ~WorkWaiter();  // fails the batches not yet waited for, without waiting for them
+  WorkWaiter(const WorkWaiter&) = delete;
+  WorkWaiter& operator=(const WorkWaiter&) = delete;
+
+  // Each Work's wait() is bounded by its group's timeout. After a failure the batch's other
+  // Works are aborted, not waited for: a dead peer costs one timeout, not one per Work.
+  void wait_then(std::vector<c10::intrusive_ptr<c10d::Work>> works, Then then);
+
+ private:
+  struct Batch {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    Then then;
+  };
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::deque<Batch> batches;
+    bool stopping = false;
+  };
+  static void run(const std::shared_ptr<Queue>& queue);
+
+  std::shared_ptr<Queue> queue_;  // shared with the thread: it may outlive this object (below)
+  std::thread thread_;
+};
+
+}  // namespace torch_bigbatch::torus
