@@ -84,7 +84,7 @@ struct HostPipeline::Context {
   Engines engines;
   ScratchPool scratch;
   // The direct exchanges' Works, in issue order, one thread per phase (see exchange_directly).
-  WorkWaiter row_scatter_waiter, column_waiter, row_gather_waiter;
+  WorkWaiter row_scatter_waiter, column_waiter, column_gather_waiter, row_gather_waiter;
   std::mutex mutex;
   std::exception_ptr failure;  // the first one: the backend is unusable after it
 
@@ -129,7 +129,7 @@ struct Segment {
   Split column;                  // this rank's row part in Y pieces, one per column member
   // The phases' buffers: the other row members' parts of this rank's row part (in the dtype),
   // the other column member's row sum (a column of two), else byte buffers of header regions.
-  at::Tensor received, column_in, column_out, column_gather_in, column_gathered, row_in, row_out;
+  at::Tensor received, column_in, column_out, row_in, row_out;
   // A direct exchange's headers (the call's last segment): this rank's, the members'.
   at::Tensor header_sent, headers_received;
   at::Tensor row_sum;  // where this rank's row part of the result goes (see row_result)
@@ -237,7 +237,7 @@ void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backe
 
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment);
-void after_column_gather(const ContextPtr& context, const SegmentPtr& segment);
+void column_done(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment);
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
@@ -245,9 +245,6 @@ void finish(const ContextPtr& context, const SegmentPtr& segment);
 
 int64_t row_size(const TorusShape& shape, const Segment& segment) {
   return segment.row.sizes[shape.x()];
-}
-int64_t piece_size(const TorusShape& shape, const Segment& segment) {
-  return segment.column.sizes[shape.y()];
 }
 // A column of two allreduces its row parts in one exchange (each member sends its part to the
 // other, both sum): the bytes of a reduce-scatter plus an allgather, in one step instead of two.
@@ -457,48 +454,47 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
                              context->column_waiter, Phase::ColumnAllreduce,
                              after_column_allreduce);
   }
-  // The Y pieces of the row part, reduced along the row: the other members' to them, this
-  // rank's kept for the sum.
-  const Split& pieces = segment->column;
-  const Exchange sent(pieces.sizes, shape.y(), segment->part);
-  segment->column_in = context->scratch.take(sent.total);
-  for (size_t k = 0; k < sent.members.size(); ++k) {
-    const int j = sent.members[k];
-    at::Tensor reduced = sent.data(segment->column_in, k);
-    reduce_into(reduced, mine.narrow(0, pieces.offsets[j], pieces.sizes[j]),
-                others.narrow(1, pieces.offsets[j], pieces.sizes[j]), call.op);
-  }
-  write_headers(*segment, segment->column_in, sent);
-  const Exchange own(std::vector<int64_t>(shape.rows, piece_size(shape, *segment)), shape.y(),
-                     segment->part);  // the column allgather's input; region 0: this piece
-  segment->column_gather_in = context->scratch.take(own.total);
-  at::Tensor piece = own.data(segment->column_gather_in, 0);
-  const int y = shape.y();
-  reduce_into(piece, mine.narrow(0, pieces.offsets[y], pieces.sizes[y]),
-              others.narrow(1, pieces.offsets[y], pieces.sizes[y]), call.op);
+  // The column reduce-scatter, direct: the row sum's Y pieces go to the column members that
+  // reduce them, from their places; their contributions to this rank's piece into `received`.
+  reduce_into(sum, mine, others, call.op);
   context->scratch.give(std::move(segment->received));
-  segment->column_out = context->scratch.take(own.total);
-  then(context, segment, Phase::ColumnScatter,
-       exchange(*context->engines.column, segment->column_out, segment->column_in, own.splits,
-                sent.splits),
-       after_column_scatter);
+  const Split& pieces = segment->column;
+  const int y = shape.y();
+  segment->received =
+      context->scratch.take((shape.rows - 1) * pieces.sizes[y] * segment->element_size())
+          .view(segment->dtype())
+          .view({shape.rows - 1, pieces.sizes[y]});
+  std::vector<Transfer> sends, receives;
+  for (int j = 0, k = 0; j < shape.rows; ++j) {
+    if (j == y) continue;
+    sends.push_back({j, sum.narrow(0, pieces.offsets[j], pieces.sizes[j])});
+    receives.push_back({j, segment->received[k++]});
+  }
+  exchange_directly(context, segment, *context->engines.column, shape.column_ranks(), y, sends,
+                    receives, context->column_waiter, Phase::ColumnScatter, after_column_scatter);
 }
 
-// The column's sum of this rank's piece is its piece of the result: to every column member.
+// This rank's piece plus the column members' contributions, in place, is its piece of the
+// result: to every column member, whose pieces arrive in their places (no headers: the column
+// reduce-scatter compared the column's calls).
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
-  const Exchange own(std::vector<int64_t>(shape.rows, piece_size(shape, *segment)), shape.y(),
-                     segment->part);
-  check_headers(*context, *segment, segment->column_out, own, shape.column_ranks());
-  at::Tensor piece = own.data(segment->column_gather_in, 0);
-  reduce_into(piece, piece, own.rows(segment->column_out), call.op);
+  const Split& pieces = segment->column;
+  const int y = shape.y();
+  at::Tensor& sum = segment->row_sum;
+  at::Tensor piece = sum.narrow(0, pieces.offsets[y], pieces.sizes[y]);
+  reduce_into(piece, piece, segment->received, call.op);
   finish_average(piece, call.op, shape.columns * shape.rows);
-  context->scratch.give(std::move(segment->column_in));
-  context->scratch.give(std::move(segment->column_out));
-  allgather(context, segment, *context->engines.column_gather, segment->column_gather_in, own,
-            segment->column_gathered, Exchange(segment->column.sizes, shape.y(), segment->part),
-            Phase::ColumnGather, after_column_gather);
+  context->scratch.give(std::move(segment->received));
+  std::vector<Transfer> sends, receives;
+  for (int j = 0; j < shape.rows; ++j) {
+    if (j == y) continue;
+    sends.push_back({j, piece});
+    receives.push_back({j, sum.narrow(0, pieces.offsets[j], pieces.sizes[j])});
+  }
+  exchange_directly(context, segment, *context->engines.column_gather, {}, y, sends, receives,
+                    context->column_gather_waiter, Phase::ColumnGather, column_done);
 }
 
 // The column's result is in place: the row's allgather follows (in a torus of one column, the
@@ -506,26 +502,6 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
 void column_done(const ContextPtr& context, const SegmentPtr& segment) {
   if (context->shape.columns > 1) return row_allgather(context, segment);
   finish(context, segment);
-}
-
-// The Y pieces make this rank's row part of the result: to every row member.
-void after_column_gather(const ContextPtr& context, const SegmentPtr& segment) {
-  const TorusShape& shape = context->shape;
-  const Split& pieces = segment->column;
-  const Exchange gathered(pieces.sizes, shape.y(), segment->part);
-  check_headers(*context, *segment, segment->column_gathered, gathered, shape.column_ranks());
-  at::Tensor& part = segment->row_sum;
-  const int y = shape.y();
-  const Exchange own(std::vector<int64_t>(shape.rows, pieces.sizes[y]), y, segment->part);
-  part.narrow(0, pieces.offsets[y], pieces.sizes[y]).copy_(own.data(segment->column_gather_in, 0));
-  for (size_t k = 0; k < gathered.members.size(); ++k) {
-    const int j = gathered.members[k];
-    part.narrow(0, pieces.offsets[j], pieces.sizes[j])
-        .copy_(gathered.data(segment->column_gathered, k));
-  }
-  context->scratch.give(std::move(segment->column_gather_in));
-  context->scratch.give(std::move(segment->column_gathered));
-  column_done(context, segment);
 }
 
 // This rank's row sum plus the other column member's, in place: the result's row part.

@@ -1,30 +1,33 @@
 // The torus allreduce on engines whose collectives complete on the host (Gloo, CPU tensors).
 //
-// A buffer is cut into segments; each goes through four exchanges (direct: one step to every
-// peer at once, where Gloo's ring allreduce takes 2(p-1) steps):
-//   row reduce-scatter   each row member sends the k-th part of its segment to member k, which
-//                        sums the X parts it receives (Gloo's alltoall) into its place;
+// A buffer is cut into segments; each goes through four direct exchanges (each member sends to
+// every peer at once: one step, where Gloo's ring allreduce takes 2(p-1) steps):
+//   row reduce-scatter    each row member sends the k-th part of its segment to member k, which
+//                         sums what it receives into its own part;
 //   column reduce-scatter the same along the column with that part, cut into Y pieces;
-//   column allgather     each column member sends its reduced piece to every member;
-//   row allgather        each row member sends its reduced part to every member, from its place
-//                        in the buffer, and receives theirs in their places (Gloo's send and
-//                        recv: no staging copies).
-// A row or column of one rank skips its two phases. Parts differ by at most one element, so
-// no buffer is padded or copied whole because of its length.
+//   column allgather      each column member sends its reduced piece to every member;
+//   row allgather         each row member sends its reduced part to every member.
+// A row or column of one rank skips its two phases; a column of two allreduces in one exchange.
+// The exchanges are Gloo's send and recv: every part leaves from its place in the buffer and
+// the allgathers' parts arrive in theirs, sums are made in place, and only what a rank receives
+// to sum goes through a scratch buffer (an alltoall needs one contiguous input and output: a
+// staged copy of what is sent and of what is received). Parts differ by at most one element,
+// so no buffer is padded or copied whole because of its length. Buffers up to kOneShotBytes
+// take two alltoalls instead (below).
 //
-// Ordering without a progress thread of its own: the calling thread issues every segment's row
-// reduce-scatter, in call and segment order; each later phase is issued by the callback of the
-// phase before it, which runs on the single worker thread of that phase's process group in
-// completion order, which is issue order (the row allgather's sends and receives, which have no
-// callback, are waited for in issue order by one thread, WorkWaiter). So every group sees its
-// collectives in the same order on every rank, and a phase costs one thread handoff.
+// Ordering without a progress thread per call: the calling thread posts every segment's row
+// reduce-scatter, in call and segment order; each later phase is posted when the phase before
+// it ended, by one thread per phase (WorkWaiter) that waits for that phase's sends and receives
+// in posting order. So every group sees its sends and receives in the same order on every rank
+// (Gloo matches them in order), phases of different segments overlap, and a phase costs one
+// thread handoff.
 //
 // Ranks that pass different sizes fail together with a message instead of summing misaligned
-// data: every region exchanged in the column phases starts with a header (the call's element
-// count, dtype, op, and the first rank that saw them differ), and the row allgather exchanges
-// one such header per call, with its last segment; across rows the column phases compare and
-// pass the flag on (see check_header), within a row the row allgather does. A call fails at
-// its end, on every rank.
+// data: with a call's last segment every column member sends every other a header (the call's
+// element count, dtype, op, and the first rank that saw them differ) in the column
+// reduce-scatter, and every row member in the row allgather; the row passes on what the column
+// saw, so every rank knows at the call's end (see check_header). Their buffers have been
+// written by then, as plain Gloo writes them.
 #pragma once
 
 #include "torus/scratch_pool.h"
