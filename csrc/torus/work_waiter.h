@@ -1,7 +1,8 @@
 // A thread that waits for Works that have no future to call back from (Gloo's send and recv),
 // batch after batch in the order given, and then runs each batch's continuation. The host
-// pipeline's row allgather uses it: its direct sends and receives land in place, where Gloo's
-// alltoall needed a staged copy of every region on both sides.
+// pipeline's direct exchanges use it, one per phase: their sends and receives move each part
+// from and into its place, where Gloo's alltoall needed a staged copy of every region on both
+// sides, but they have no callback to post the next phase from.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
