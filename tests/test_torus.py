@@ -123,6 +123,33 @@ def test_allreduce_equals_gloo(shape):
     assert checked[0] == 3 * 3 * (4 * 5 - 1)
 
 
+def segments_smaller_than_a_row(rank, world_size, port, shape):
+    """Segments of a few elements: some members' parts (and pieces) are empty, and both sides
+    of every direct exchange must skip the same ones."""
+    init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus", segment_bytes=8))
+    gloo = dist.new_group(backend="gloo")
+    checked = []
+    for numel, op in ((37, "SUM"), (1001, "MAX"), (5, "AVG")):
+        mine = rank_data(rank, numel, torch.float64, op, seed=numel)
+        expected = mine.clone()
+        dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
+        dist.all_reduce(expected, op=dist.ReduceOp.SUM if op == "AVG" else getattr(
+            dist.ReduceOp, op), group=gloo)
+        if op == "AVG":
+            expected /= world_size
+        check_close(mine, expected, torch.float64, f"{op} n={numel}")
+        checked.append(numel)
+    return checked
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2), (1, 4), (2, 3)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.slow
+def test_segments_smaller_than_a_row(shape):
+    world_size = shape[0] * shape[1]
+    assert run_ranks(segments_smaller_than_a_row, world_size, shape,
+                     deadline=120) == [[37, 1001, 5]] * world_size
+
+
 def collectives_and_subgroups(rank, world_size, port):
     init(rank, world_size, port)
     assert torus_shape() == (2, 2)
