@@ -38,7 +38,7 @@ UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
 CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
               "runs", "cpu_ms", "cpu_vs_gloo"]
-WARM_UP_CALLS = 20  # auto decides a class after at most 3 candidates x 5 trial calls
+WARM_UP_CALLS = 25  # auto decides a class after at most 4 candidates x 5 trial calls
 
 
 def parse_size(text):
@@ -77,7 +77,7 @@ def describe_choice(nbytes, group):
             and row["min_bytes"] <= nbytes <= row["max_bytes"]]
     algorithm = torus_algorithm(nbytes, group)
     if rows and algorithm == "torus" and rows[0]["segment_bytes"] != CPU_SEGMENT_BYTES:
-        return f"torus {rows[0]['segment_bytes'] >> 20}M"
+        return "torus " + label(rows[0]["segment_bytes"]).replace(" ", "").removesuffix("iB")
     return algorithm
 
 

@@ -489,7 +489,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 12 + [1_000_003] * 16 + [5] * 12
+    sizes = [300, 60_000] * 12 + [1_000_003] * 22 + [5] * 12
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -518,7 +518,7 @@ def test_auto_measures_and_every_rank_agrees():
     world = results[0][1]["world"]
     for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
         assert tables["world"] == world, f"rank {rank} chose otherwise"
-        assert sum(counts.values()) == 52
+        assert sum(counts.values()) == 58
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
     # 2.4 KB, 480 KB, 8 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 8 MiB and 64 bytes.
@@ -526,9 +526,12 @@ def test_auto_measures_and_every_rank_agrees():
     for row in world:
         assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
         candidates = row["candidates"]
-        # Above 2 MiB the torus is tried with 2 MiB and 16 MiB segments.
-        assert len(candidates) == (3 if row["max_bytes"] > 2 << 20 else 2), row
-        assert [c["algorithm"] for c in candidates][:2] == ["flat", "torus"]
+        # Above 2 MiB the torus is tried with 2 MiB, 16 MiB and 512 KiB segments (4 x 5 trial
+        # calls, then the deciding call: 21 of the 22 calls of 8 MB).
+        assert len(candidates) == (4 if row["max_bytes"] > 2 << 20 else 2), row
+        assert [c["algorithm"] for c in candidates] == ["flat"] + ["torus"] * (len(candidates) - 1)
+        if len(candidates) == 4:
+            assert [c["segment_bytes"] for c in candidates[1:]] == [2 << 20, 16 << 20, 512 << 10]
         fastest = min(candidates, key=lambda c: c["seconds"])
         assert (row["algorithm"], row["segment_bytes"]) == (fastest["algorithm"],
                                                             fastest["segment_bytes"])

@@ -63,7 +63,8 @@ struct DeviceTuning {
   TuningMode mode = TuningMode::Measure;
   int64_t torus_max_bytes = 0;            // TuningMode::Limit
   int64_t segment_bytes = 2 << 20;        // the torus's segments outside trials
-  int64_t alternative_segment_bytes = 0;  // also tried where it cuts a buffer otherwise; 0: none
+  // Also tried, each where it cuts the class's buffers into another number of segments.
+  std::vector<int64_t> alternative_segment_bytes;
 };
 
 // A class's choice given by the user: skips its trials.

@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace torch_bigbatch::torus {
 
@@ -21,7 +22,7 @@ namespace {
 
 // (mode, torus_max_bytes, segment_bytes, alternative_segment_bytes), mode one of "measure",
 // "limit", "torus", "flat".
-using TuningSpec = std::tuple<std::string, int64_t, int64_t, int64_t>;
+using TuningSpec = std::tuple<std::string, int64_t, int64_t, std::vector<int64_t>>;
 // (device, size class, "flat" or "torus", segment_bytes).
 using PinnedSpec = std::tuple<std::string, int, std::string, int64_t>;
 
@@ -33,6 +34,8 @@ DeviceTuning device_tuning(const TuningSpec& spec) {
                                                            {"flat", TuningMode::Flat}};
   TORCH_CHECK(modes.count(mode), "torus: unknown tuning mode ", mode);
   TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
+  for (int64_t other : alternative_segment_bytes)
+    TORCH_CHECK(other > 0, "torus: segment sizes must be positive, got ", other);
   return {modes.at(mode), torus_max_bytes, segment_bytes, alternative_segment_bytes};
 }
 

@@ -29,10 +29,12 @@ ENV_TABLE = "TORCH_BIGBATCH_TORUS_TABLE"
 
 ALGORITHMS = ("auto", "torus", "flat")
 CPU_SEGMENT_BYTES = 2 << 20  # see TorusOptions.segment_bytes
-# The other segment size that "auto" tries, where it cuts a buffer otherwise: on one host the
-# forced torus was faster with 16 MiB segments on the CPU; on GPUs, NCCL's kernels overlap
-# better with more, smaller segments.
-ALTERNATIVE_SEGMENT_BYTES = {"cpu": 16 << 20, "cuda": 4 << 20}
+# The other segment sizes that "auto" tries, each where it cuts a buffer into another number of
+# segments: on the CPU, 16 MiB (on one host fewer segments cost less local work) and 512 KiB
+# (across emulated nodes at 1 Gbit/s the torus beat Gloo by 1.34-1.43x from 4 to 64 MiB with
+# it, against 1.18-1.41x with 2 MiB); on GPUs, NCCL's kernels overlap better with more, smaller
+# segments.
+ALTERNATIVE_SEGMENT_BYTES = {"cpu": (16 << 20, 512 << 10), "cuda": (4 << 20,)}
 
 
 @dataclasses.dataclass
@@ -45,7 +47,7 @@ class TorusOptions:
     algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
         group (Gloo's or NCCL's own); "auto": measured per device type and size class (each
         power of two of bytes): the first calls of a class try the flat allreduce and the torus
-        (with two segment sizes where that matters), the ranks agree on the slowest rank's
+        (with other segment sizes where that matters), the ranks agree on the slowest rank's
         times, and the class runs the fastest from then on (a log line on rank 0 says which;
         torus_algorithm_table() lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
         environment variable, else "auto". The algorithms may differ in the last bits of a
@@ -57,10 +59,9 @@ class TorusOptions:
         save_torus_algorithm_table writes); rows without an algorithm are measured. None
         (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
     segment_bytes: large buffers are cut into segments of this size, and the phases of
-        consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (2 MiB:
-        across emulated nodes at 1 Gbit/s, the torus beat Gloo by 1.11-1.40x from 4 to 64 MiB
-        with it, and lost at 4 and 16 MiB with 16 MiB segments), DEFAULT_SEGMENT_BYTES for CUDA
-        tensors (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
+        consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (2 MiB,
+        between what one host and slow links prefer), DEFAULT_SEGMENT_BYTES for CUDA tensors
+        (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
         ALTERNATIVE_SEGMENT_BYTES.
     """
 
@@ -157,12 +158,12 @@ def _tuning(options, device):
     alternative_segment_bytes)."""
     default = CPU_SEGMENT_BYTES if device == "cpu" else DEFAULT_SEGMENT_BYTES
     segment = options.segment_bytes or default
-    alternative = 0 if options.segment_bytes else ALTERNATIVE_SEGMENT_BYTES[device]
+    alternatives = [] if options.segment_bytes else list(ALTERNATIVE_SEGMENT_BYTES[device])
     if options.algorithm in ("torus", "flat"):
-        return options.algorithm, 0, segment, 0
+        return options.algorithm, 0, segment, []
     if options.torus_max_bytes is not None:
-        return "limit", options.torus_max_bytes, segment, 0
-    return "measure", 0, segment, alternative
+        return "limit", options.torus_max_bytes, segment, []
+    return "measure", 0, segment, alternatives
 
 
 def _route_source(host):
