@@ -269,6 +269,9 @@ def test_ddp_matches_gloo_and_one_process():
 
 def size_mismatch(rank, world_size, port):
     init(rank, world_size, port, seconds=5)
+    # Every rank's groups are connected before any rank can abort (a rank that Gloo aborts
+    # resets the connections of a group another rank is still building).
+    dist.barrier()
     start = time.monotonic()
     tensor = torch.ones(1000 + (rank == 1) * 500)
     try:
