@@ -132,7 +132,7 @@ struct Segment {
   at::Tensor received, column_in, column_out, row_in, row_out;
   // A direct exchange's headers (the call's last segment): this rank's, the members'.
   at::Tensor header_sent, headers_received;
-  at::Tensor row_sum;  // where this rank's row part of the result goes (see row_result)
+  at::Tensor row_sum;  // this rank's row part, in place: its sum along the row, then the result
 
   at::ScalarType dtype() const { return part.scalar_type(); }
   int64_t element_size() const { return part.element_size(); }
@@ -251,14 +251,6 @@ int64_t row_size(const TorusShape& shape, const Segment& segment) {
 bool one_shot_column(const TorusShape& shape) { return shape.rows == 2; }
 Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int64_t size) {
   return Exchange(std::vector<int64_t>(shape.rows, size), shape.y(), segment.part);
-}
-// Where the result of this rank's row part goes: its place in the segment, from where the row
-// allgather sends it. With one column that is the whole segment (a scratch copy when the ranks'
-// calls differ: the caller's buffer is not written then).
-at::Tensor row_result(Segment& segment, const TorusShape& shape) {
-  if (shape.columns > 1)
-    return segment.part.narrow(0, segment.row.offsets[shape.x()], row_size(shape, segment));
-  return segment.call->mismatched() ? at::empty_like(segment.part) : segment.part;
 }
 
 // Direct exchanges (Gloo's send and recv) move each part from its place and into its place:
@@ -432,20 +424,19 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
   const int64_t size = row_size(shape, *segment);
-  segment->row_sum = row_result(*segment, shape);
+  // This rank's place in the segment (all of it with one column), from where the row allgather
+  // sends it; with several columns the row members' contributions are added to it here.
+  segment->row_sum = shape.columns > 1
+                         ? segment->part.narrow(0, segment->row.offsets[shape.x()], size)
+                         : segment->part;
   at::Tensor& sum = segment->row_sum;
-  const at::Tensor mine = shape.columns > 1 ? sum : segment->part;  // this rank's contribution
-  const at::Tensor others =
-      shape.columns > 1 ? segment->received : segment->part.new_empty({0, size});
+  if (shape.columns > 1) reduce_into(sum, sum, segment->received, call.op);
+  context->scratch.give(std::move(segment->received));
   if (shape.rows == 1) {
-    reduce_into(sum, mine, others, call.op);
     finish_average(sum, call.op, shape.columns);
-    context->scratch.give(std::move(segment->received));
     return row_allgather(context, segment);
   }
   if (one_shot_column(shape)) {
-    reduce_into(sum, mine, others, call.op);
-    context->scratch.give(std::move(segment->received));
     const int y = shape.y();
     segment->column_out =
         context->scratch.take(size * segment->element_size()).view(segment->dtype());
@@ -456,8 +447,6 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   }
   // The column reduce-scatter, direct: the row sum's Y pieces go to the column members that
   // reduce them, from their places; their contributions to this rank's piece into `received`.
-  reduce_into(sum, mine, others, call.op);
-  context->scratch.give(std::move(segment->received));
   const Split& pieces = segment->column;
   const int y = shape.y();
   segment->received =
