@@ -4,7 +4,9 @@ Each case runs examples/train_resnet50.py under torchrun on this machine (OMP_NU
 `make demo`), the two backends taking turns over --rounds, and stops it after a number of
 steps. The rate is the steady one between the first progress line and the last (the first
 steps pay for connections and allocations), read from rank 0's progress lines; the table gives
-the median over rounds and torus / gloo. Cases:
+the median over rounds and torus / gloo. With --nodes N the processes run on N emulated nodes
+(benchmarks/emulated_cluster.py, root; `make demo-cluster` is the demo on 2 nodes x 2), over
+links of --rate when given. Cases:
 
     demo       `make demo`'s job: goyal2017, resnet_small on Fashion-MNIST, 64 images per rank
     resnet50   ResNet-50 (25.6 M parameters: a 102 MB gradient, in DDP's default 25 MiB
@@ -12,6 +14,7 @@ the median over rounds and torus / gloo. Cases:
 
     python benchmarks/bench_ddp.py --cases demo --nprocs 4 8
     python benchmarks/bench_ddp.py --cases resnet50 --nprocs 8 --csv ddp.csv
+    python benchmarks/bench_ddp.py --cases demo --nprocs 4 --nodes 2 --rates none 1gbit
 """
 
 import argparse
@@ -23,6 +26,7 @@ import sys
 import tempfile
 
 from common import write_csv
+from emulated_cluster import EmulatedCluster, format_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # job arguments, steps, steps between progress lines
@@ -32,7 +36,8 @@ CASES = {  # job arguments, steps, steps between progress lines
                   "--synthetic-size", "2048", "--epochs", "1", "--batch-per-rank", "8"], 20, 5),
 }
 PROGRESS = re.compile(r"step (\d+)/\d+ .* batch (\d+) (\d+) img/s")
-CSV_FIELDS = ["case", "processes", "backend", "images_per_second", "torus_over_gloo"]
+CSV_FIELDS = ["case", "nodes", "rate", "processes", "backend", "images_per_second",
+              "torus_over_gloo"]
 
 
 def steady_rate(output):
@@ -46,45 +51,76 @@ def steady_rate(output):
     return (last - first) * batch / seconds
 
 
-def run(case, processes, backend, timeout):
+def job_arguments(case, backend, output):
     arguments, steps, every = CASES[case]
+    return [os.path.join(ROOT, "examples", "train_resnet50.py"), *arguments, "--backend",
+            backend, "--stop-after-steps", str(steps), "--print-every", str(every),
+            "--checkpoint-every", "0", "--output", output]
+
+
+def run(case, processes, backend, timeout, nodes=1, rate=None):
+    """Rank 0's output of one run: under torchrun here, or on `nodes` emulated nodes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as output:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(processes), os.path.join(ROOT, "examples", "train_resnet50.py"),
-                   *arguments, "--backend", backend, "--stop-after-steps", str(steps),
-                   "--print-every", str(every), "--checkpoint-every", "0", "--output", output]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}"
-                           f"{result.stderr[-3000:]}")
-    return steady_rate(result.stdout)
+        job = job_arguments(case, backend, output)
+        if nodes == 1:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                       str(processes), *job]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                    env=env, cwd=ROOT)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}"
+                                   f"{result.stderr[-3000:]}")
+            return steady_rate(result.stdout)
+        with EmulatedCluster(nodes, rate=rate) as cluster:
+            results = cluster.run(lambda node: cluster.torchrun(node, job, processes // nodes),
+                                  timeout=timeout, env=env)
+        outputs = [text for _, text in results]
+        if any(code != 0 for code, _ in results):
+            raise RuntimeError(f"{case} over {backend} on {nodes} nodes failed:\n"
+                               + format_outputs(cluster.nodes, outputs)[-5000:])
+        return steady_rate(outputs[0])  # rank 0 runs on node 0
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--nprocs", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="emulated nodes the processes are spread over (root)")
+    parser.add_argument("--rates", nargs="+", default=["none"],
+                        help='with --nodes: each node\'s link rate, e.g. "1gbit", or "none"')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()
+    if args.nodes > 1 and os.geteuid() != 0:
+        parser.error("--nodes needs root (network namespaces)")
+    for processes in args.nprocs:
+        if processes % args.nodes:
+            parser.error(f"{processes} processes do not spread evenly over {args.nodes} nodes")
     rows = []
-    print(f"{'case':>9} | {'processes':>9} | {'gloo img/s':>10} | {'torus img/s':>11} | "
-          "torus / gloo")
+    print(f"{'case':>9} | {'nodes':>5} | {'rate':>6} | {'processes':>9} | {'gloo img/s':>10} | "
+          f"{'torus img/s':>11} | torus / gloo")
     for case in args.cases:
-        for processes in args.nprocs:
-            rates = {"gloo": [], "torus": []}
-            for _ in range(args.rounds):  # the backends take turns, so drift hits both
-                for backend in rates:
-                    rates[backend].append(run(case, processes, backend, args.timeout))
-            medians = {backend: statistics.median(values) for backend, values in rates.items()}
-            ratio = medians["torus"] / medians["gloo"]
-            print(f"{case:>9} | {processes:>9} | {medians['gloo']:10.0f} | "
-                  f"{medians['torus']:11.0f} | {ratio:.3f}x", flush=True)
-            rows += [{"case": case, "processes": processes, "backend": backend,
-                      "images_per_second": medians[backend], "torus_over_gloo": ratio}
-                     for backend in medians]
+        for rate in args.rates if args.nodes > 1 else ["none"]:
+            for processes in args.nprocs:
+                rates = {"gloo": [], "torus": []}
+                for _ in range(args.rounds):  # the backends take turns, so drift hits both
+                    for backend in rates:
+                        rates[backend].append(run(case, processes, backend, args.timeout,
+                                                  args.nodes, None if rate == "none" else rate))
+                medians = {backend: statistics.median(values)
+                           for backend, values in rates.items()}
+                ratio = medians["torus"] / medians["gloo"]
+                print(f"{case:>9} | {args.nodes:>5} | {rate:>6} | {processes:>9} | "
+                      f"{medians['gloo']:10.0f} | {medians['torus']:11.0f} | {ratio:.3f}x   "
+                      + "; ".join(f"{backend} rounds: " + " ".join(f"{value:.0f}" for value in values)
+                                  for backend, values in rates.items()), flush=True)
+                rows += [{"case": case, "nodes": args.nodes, "rate": rate,
+                          "processes": processes, "backend": backend,
+                          "images_per_second": medians[backend], "torus_over_gloo": ratio}
+                         for backend in medians]
     if args.csv:
         write_csv(args.csv, rows, CSV_FIELDS)
 

@@ -121,18 +121,27 @@ struct Call {
   }
 };
 
+// A phase's receives, posted when its segment starts (see post_receives), and the members whose
+// headers they include.
+struct Posted {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  at::Tensor headers;        // [members, kHeaderBytes]: with the call's last segment
+  std::vector<int> members;  // whole-group ranks of the phase's group
+  int me = 0;
+};
+
 struct Segment {
   std::shared_ptr<Call> call;
   int64_t index = 0, count = 0;  // for messages: segment index + 1 of count
   at::Tensor part;               // the call's elements of this segment
   Split row;                     // the segment in X parts, one per row member
   Split column;                  // this rank's row part in Y pieces, one per column member
-  // The phases' buffers: the other row members' parts of this rank's row part (in the dtype),
-  // the other column member's row sum (a column of two), else byte buffers of header regions.
-  at::Tensor received, column_in, column_out, row_in, row_out;
-  // A direct exchange's headers (the call's last segment): this rank's, the members'.
-  at::Tensor header_sent, headers_received;
+  // The phases' buffers: the other row members' parts of this rank's row part and the column
+  // members' of its piece (in the dtype), the other column member's row sum (a column of two);
+  // the one-shot exchanges' byte buffers of header regions.
+  at::Tensor row_received, column_received, column_out, column_in, row_in, row_out;
   at::Tensor row_sum;  // this rank's row part, in place: its sum along the row, then the result
+  Posted column_posted, column_gather_posted, row_gather_posted;  // until their phases
 
   at::ScalarType dtype() const { return part.scalar_type(); }
   int64_t element_size() const { return part.element_size(); }
@@ -149,6 +158,15 @@ void fail(const ContextPtr& context, Call& call, const std::exception_ptr& error
   call.work->fail(error);
 }
 
+// A failed segment's receives that no phase will wait for: aborted, so none of them waits on.
+void abandon_receives(Segment& segment) {
+  for (Posted* posted :
+       {&segment.column_posted, &segment.column_gather_posted, &segment.row_gather_posted}) {
+    for (const auto& work : posted->works) abort_quietly(work);
+    posted->works.clear();
+  }
+}
+
 // After `phase` ended (with `error`, the engine's message, when it failed): runs `next`. A
 // failed phase, an earlier failure of the backend (the groups' sequences may differ between
 // ranks now) or an error in `next` fails the call, so nothing pairs with the wrong peer.
@@ -162,6 +180,7 @@ void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
     if (auto failure = context->first_failure()) std::rethrow_exception(failure);
     next(context, segment);
   } catch (...) {
+    abandon_receives(*segment);
     fail(context, *segment->call, std::current_exception());
   }
 }
@@ -266,49 +285,75 @@ struct Transfer {
   at::Tensor data;
 };
 
-// Posts `sends` and `receives` on `group` (this rank is `me` of `members`, whole-group ranks)
-// and, with the call's last segment, a header to and from every other member; `waiter` runs
-// `next` once all of them ended (see advance).
+// Posts `tensor` to or from `peer` of `group`; a failure names the phase.
+c10::intrusive_ptr<c10d::Work> post(const HostPipeline::Context& context, const Segment& segment,
+                                    c10d::Backend& group, Phase phase, bool send,
+                                    at::Tensor tensor, int peer, int tag) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  try {  // Gloo posts at once: a peer known to be gone fails here
+    return send ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag);
+  } catch (...) {
+    TORCH_CHECK(false, describe_failure(context.shape, phase, segment.index, segment.count,
+                                        message_of(std::current_exception())));
+  }
+}
+
+// Posts a phase's receives (and, with the call's last segment, those of the headers of the
+// other `members`, whole-group ranks, when there are any; this rank is `me`). A Gloo send
+// waits until its receive is posted (Gloo's rendezvous: the receiver announces it, then the
+// data flows), so each phase posts its receives when the segment starts: a peer's part then
+// leaves as soon as the peer has it, instead of waiting a round trip that, on a rate-limited
+// link, queues behind the data already in flight.
+Posted post_receives(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
+                     std::vector<int> members, int me, const std::vector<Transfer>& receives,
+                     Phase phase) {
+  Posted posted;
+  posted.members = std::move(members);
+  posted.me = me;
+  const int64_t count = static_cast<int64_t>(posted.members.size());
+  if (segment->index + 1 == segment->count && count > 0) {
+    posted.headers = at::empty({count, kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
+    for (int j = 0; j < count; ++j)
+      if (j != me)
+        posted.works.push_back(post(*context, *segment, group, phase, false, posted.headers[j], j,
+                                    kHeaderTag));
+  }
+  for (const Transfer& transfer : receives)
+    if (transfer.data.numel() > 0)
+      posted.works.push_back(post(*context, *segment, group, phase, false, transfer.data,
+                                  transfer.peer, kDataTag));
+  return posted;
+}
+
+// Posts `sends` on `group`, with the call's last segment this rank's header to every member the
+// receives expect one from; `waiter` runs `next` once the sends and the receives ended (see
+// advance).
 void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
-                       std::vector<int> members, int me, const std::vector<Transfer>& sends,
-                       const std::vector<Transfer>& receives, WorkWaiter& waiter, Phase phase,
-                       Stage next) {
+                       Posted posted, const std::vector<Transfer>& sends, WorkWaiter& waiter,
+                       Phase phase, Stage next) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  auto post = [&](bool send, at::Tensor data, int peer, int tag) {
-    std::vector<at::Tensor> tensors{std::move(data)};
-    try {  // Gloo posts at once: a peer known to be gone fails here
-      works.push_back(send ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag));
-    } catch (...) {
-      TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index, segment->count,
-                                          message_of(std::current_exception())));
-    }
-  };
-  const bool last = segment->index + 1 == segment->count;
-  if (last) {
+  if (posted.headers.defined()) {
     const Header header = segment->call->header();
-    segment->header_sent = at::empty({kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
-    std::memcpy(segment->header_sent.data_ptr<uint8_t>(), &header, sizeof header);
-    const int64_t count = static_cast<int64_t>(members.size());
-    segment->headers_received =
-        at::empty({count, kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
-    for (int j = 0; j < count; ++j) {
-      if (j == me) continue;
-      post(true, segment->header_sent, j, kHeaderTag);
-      post(false, segment->headers_received[j], j, kHeaderTag);
-    }
+    at::Tensor sent = at::empty({kHeaderBytes}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(sent.data_ptr<uint8_t>(), &header, sizeof header);
+    for (int j = 0; j < static_cast<int>(posted.members.size()); ++j)
+      if (j != posted.me)
+        works.push_back(post(*context, *segment, group, phase, true, sent, j, kHeaderTag));
   }
   for (const Transfer& transfer : sends)
-    if (transfer.data.numel() > 0) post(true, transfer.data, transfer.peer, kDataTag);
-  for (const Transfer& transfer : receives)
-    if (transfer.data.numel() > 0) post(false, transfer.data, transfer.peer, kDataTag);
-  waiter.wait_then(std::move(works), [context, segment, members = std::move(members), me, last,
-                                      phase, next](const std::exception_ptr& error) {
-    if (!error && last) {
-      for (int j = 0; j < static_cast<int>(members.size()); ++j) {
-        if (j == me) continue;
+    if (transfer.data.numel() > 0)
+      works.push_back(post(*context, *segment, group, phase, true, transfer.data, transfer.peer,
+                           kDataTag));
+  works.insert(works.end(), posted.works.begin(), posted.works.end());
+  posted.works.clear();
+  waiter.wait_then(std::move(works), [context, segment, posted = std::move(posted), phase,
+                                      next](const std::exception_ptr& error) {
+    if (!error && posted.headers.defined()) {
+      for (int j = 0; j < static_cast<int>(posted.members.size()); ++j) {
+        if (j == posted.me) continue;
         Header header;
-        std::memcpy(&header, segment->headers_received[j].data_ptr<uint8_t>(), sizeof header);
-        check_header(*context, *segment->call, header, members[j], true);
+        std::memcpy(&header, posted.headers[j].data_ptr<uint8_t>(), sizeof header);
+        check_header(*context, *segment->call, header, posted.members[j], true);
       }
     }
     advance(context, segment, phase,
@@ -316,19 +361,18 @@ void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10
   });
 }
 
-// This rank's row part of the result, in its place, to every row member; theirs into theirs.
+// This rank's row part of the result, in its place, to every row member; theirs arrive in theirs
+// (posted when the segment started).
 void row_allgather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
-  const Split& parts = segment->row;
   const int x = shape.x();
-  std::vector<Transfer> sends, receives;
-  for (int j = 0; j < shape.columns; ++j) {
-    if (j == x) continue;
-    sends.push_back({j, segment->part.narrow(0, parts.offsets[x], parts.sizes[x])});
-    receives.push_back({j, segment->part.narrow(0, parts.offsets[j], parts.sizes[j])});
-  }
-  exchange_directly(context, segment, *context->engines.row_gather, shape.row_ranks(), x, sends,
-                    receives, context->row_gather_waiter, Phase::RowGather, finish);
+  std::vector<Transfer> sends;
+  for (int j = 0; j < shape.columns; ++j)
+    if (j != x)
+      sends.push_back({j, segment->part.narrow(0, segment->row.offsets[x], segment->row.sizes[x])});
+  exchange_directly(context, segment, *context->engines.row_gather,
+                    std::move(segment->row_gather_posted), sends, context->row_gather_waiter,
+                    Phase::RowGather, finish);
 }
 
 // Calling thread. Small buffers: every row member's whole buffer to every other (or, in a row
@@ -391,30 +435,79 @@ void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment)
   finish(context, segment);
 }
 
+// Calling thread: the receives of the phases after the row reduce-scatter (see post_receives):
+// the column's contributions to this rank's piece (a column of two: the other member's row sum)
+// into scratch, the column's pieces of the result and the row's parts of it into their places.
+// Each arrives only after this rank sent what was in that place: a peer sends its reduced
+// part after it received this rank's contribution to it.
+void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
+  const TorusShape& shape = context->shape;
+  const Engines& engines = context->engines;
+  const int x = shape.x(), y = shape.y();
+  const int64_t size = row_size(shape, *segment);
+  const at::Tensor row_part = segment->part.narrow(0, segment->row.offsets[x], size);
+  if (shape.rows > 1 && one_shot_column(shape)) {
+    segment->column_out =
+        context->scratch.take(size * segment->element_size()).view(segment->dtype());
+    segment->column_posted = post_receives(context, segment, *engines.column, shape.column_ranks(),
+                                           y, {{1 - y, segment->column_out}},
+                                           Phase::ColumnAllreduce);
+  } else if (shape.rows > 1) {
+    const Split& pieces = segment->column;
+    segment->column_received =
+        context->scratch.take((shape.rows - 1) * pieces.sizes[y] * segment->element_size())
+            .view(segment->dtype())
+            .view({shape.rows - 1, pieces.sizes[y]});
+    std::vector<Transfer> contributions, results;
+    for (int j = 0, k = 0; j < shape.rows; ++j) {
+      if (j == y) continue;
+      contributions.push_back({j, segment->column_received[k++]});
+      results.push_back({j, row_part.narrow(0, pieces.offsets[j], pieces.sizes[j])});
+    }
+    segment->column_posted = post_receives(context, segment, *engines.column, shape.column_ranks(),
+                                           y, contributions, Phase::ColumnScatter);
+    // No headers in the column allgather: the column reduce-scatter compared the column's calls.
+    segment->column_gather_posted = post_receives(context, segment, *engines.column_gather, {}, y,
+                                                  results, Phase::ColumnGather);
+  }
+  if (shape.columns > 1) {
+    std::vector<Transfer> results;
+    for (int j = 0; j < shape.columns; ++j)
+      if (j != x)
+        results.push_back({j, segment->part.narrow(0, segment->row.offsets[j], segment->row.sizes[j])});
+    segment->row_gather_posted = post_receives(context, segment, *engines.row_gather,
+                                               shape.row_ranks(), x, results, Phase::RowGather);
+  }
+}
+
 // Calling thread: the row reduce-scatter, direct: the other row members' parts of the segment
 // go to them from their places, and their contributions to this rank's part arrive in
-// `received`.
+// `row_received`.
 void start(const ContextPtr& context, const SegmentPtr& segment) {
   if (segment->count == 1 && segment->part.numel() * segment->element_size() <= kOneShotBytes)
     return start_one_shot(context, segment);
+  post_later_receives(context, segment);
   const TorusShape& shape = context->shape;
   if (shape.columns == 1) return after_row_scatter(context, segment);
   const Split& parts = segment->row;
   const int x = shape.x();
   const int64_t size = row_size(shape, *segment);
-  segment->received = context->scratch.take((shape.columns - 1) * size * segment->element_size())
-                          .view(segment->dtype())
-                          .view({shape.columns - 1, size});
+  segment->row_received =
+      context->scratch.take((shape.columns - 1) * size * segment->element_size())
+          .view(segment->dtype())
+          .view({shape.columns - 1, size});
   std::vector<Transfer> sends, receives;
   for (int j = 0, k = 0; j < shape.columns; ++j) {
     if (j == x) continue;
     sends.push_back({j, segment->part.narrow(0, parts.offsets[j], parts.sizes[j])});
-    receives.push_back({j, segment->received[k++]});
+    receives.push_back({j, segment->row_received[k++]});
   }
   // No headers here: the row allgather exchanges them (the caller's buffer must not change
   // before this phase's sends ended, and a header exchange adds a step to every call).
-  exchange_directly(context, segment, *context->engines.row_scatter, {}, x, sends, receives,
-                    context->row_scatter_waiter, Phase::RowScatter, after_row_scatter);
+  c10d::Backend& row = *context->engines.row_scatter;
+  exchange_directly(context, segment, row,
+                    post_receives(context, segment, row, {}, x, receives, Phase::RowScatter),
+                    sends, context->row_scatter_waiter, Phase::RowScatter, after_row_scatter);
 }
 
 // This rank's row part plus what the row members sent is the part reduced along the row, in
@@ -430,59 +523,45 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
                          ? segment->part.narrow(0, segment->row.offsets[shape.x()], size)
                          : segment->part;
   at::Tensor& sum = segment->row_sum;
-  if (shape.columns > 1) reduce_into(sum, sum, segment->received, call.op);
-  context->scratch.give(std::move(segment->received));
+  if (shape.columns > 1) reduce_into(sum, sum, segment->row_received, call.op);
+  context->scratch.give(std::move(segment->row_received));
   if (shape.rows == 1) {
     finish_average(sum, call.op, shape.columns);
     return row_allgather(context, segment);
   }
+  const int y = shape.y();
   if (one_shot_column(shape)) {
-    const int y = shape.y();
-    segment->column_out =
-        context->scratch.take(size * segment->element_size()).view(segment->dtype());
-    return exchange_directly(context, segment, *context->engines.column, shape.column_ranks(), y,
-                             {{1 - y, sum}}, {{1 - y, segment->column_out}},
+    return exchange_directly(context, segment, *context->engines.column,
+                             std::move(segment->column_posted), {{1 - y, sum}},
                              context->column_waiter, Phase::ColumnAllreduce,
                              after_column_allreduce);
   }
   // The column reduce-scatter, direct: the row sum's Y pieces go to the column members that
-  // reduce them, from their places; their contributions to this rank's piece into `received`.
+  // reduce them, from their places.
   const Split& pieces = segment->column;
-  const int y = shape.y();
-  segment->received =
-      context->scratch.take((shape.rows - 1) * pieces.sizes[y] * segment->element_size())
-          .view(segment->dtype())
-          .view({shape.rows - 1, pieces.sizes[y]});
-  std::vector<Transfer> sends, receives;
-  for (int j = 0, k = 0; j < shape.rows; ++j) {
-    if (j == y) continue;
-    sends.push_back({j, sum.narrow(0, pieces.offsets[j], pieces.sizes[j])});
-    receives.push_back({j, segment->received[k++]});
-  }
-  exchange_directly(context, segment, *context->engines.column, shape.column_ranks(), y, sends,
-                    receives, context->column_waiter, Phase::ColumnScatter, after_column_scatter);
+  std::vector<Transfer> sends;
+  for (int j = 0; j < shape.rows; ++j)
+    if (j != y) sends.push_back({j, sum.narrow(0, pieces.offsets[j], pieces.sizes[j])});
+  exchange_directly(context, segment, *context->engines.column, std::move(segment->column_posted),
+                    sends, context->column_waiter, Phase::ColumnScatter, after_column_scatter);
 }
 
 // This rank's piece plus the column members' contributions, in place, is its piece of the
-// result: to every column member, whose pieces arrive in their places (no headers: the column
-// reduce-scatter compared the column's calls).
+// result: to every column member (theirs arrive in their places).
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
   const Split& pieces = segment->column;
   const int y = shape.y();
-  at::Tensor& sum = segment->row_sum;
-  at::Tensor piece = sum.narrow(0, pieces.offsets[y], pieces.sizes[y]);
-  reduce_into(piece, piece, segment->received, call.op);
+  at::Tensor piece = segment->row_sum.narrow(0, pieces.offsets[y], pieces.sizes[y]);
+  reduce_into(piece, piece, segment->column_received, call.op);
   finish_average(piece, call.op, shape.columns * shape.rows);
-  context->scratch.give(std::move(segment->received));
-  std::vector<Transfer> sends, receives;
-  for (int j = 0; j < shape.rows; ++j) {
-    if (j == y) continue;
-    sends.push_back({j, piece});
-    receives.push_back({j, sum.narrow(0, pieces.offsets[j], pieces.sizes[j])});
-  }
-  exchange_directly(context, segment, *context->engines.column_gather, {}, y, sends, receives,
+  context->scratch.give(std::move(segment->column_received));
+  std::vector<Transfer> sends;
+  for (int j = 0; j < shape.rows; ++j)
+    if (j != y) sends.push_back({j, piece});
+  exchange_directly(context, segment, *context->engines.column_gather,
+                    std::move(segment->column_gather_posted), sends,
                     context->column_gather_waiter, Phase::ColumnGather, column_done);
 }
 
@@ -564,6 +643,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
     try {
       start(context_, segment);
     } catch (...) {
+      abandon_receives(*segment);
       fail(context_, *call, std::current_exception());
       break;
     }

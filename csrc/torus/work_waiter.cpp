@@ -3,15 +3,15 @@
 #include <stdexcept>
 
 namespace torch_bigbatch::torus {
-namespace {
 
-// Gloo's send and recv Works stop waiting when aborted; a Work without abort() throws.
 void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work) {
   try {
     work->abort();
   } catch (...) {
   }
 }
+
+namespace {
 
 std::exception_ptr wait_all(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
   for (size_t k = 0; k < works.size(); ++k) {

@@ -18,6 +18,9 @@
 
 namespace torch_bigbatch::torus {
 
+// Stops a Work's waiting (Gloo's send and recv); a Work without abort() is left as it is.
+void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work);
+
 class WorkWaiter {
  public:
   // Gets the first failure of a batch's Works (nullptr: all ended well); may throw, which is
