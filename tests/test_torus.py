@@ -541,6 +541,37 @@ def test_auto_measures_and_every_rank_agrees():
         assert all(0 < c["seconds"] < 10 for c in candidates), row
 
 
+LAG = 0.2  # seconds: how much later than the others one rank issues each call
+
+
+def lagging_rank(rank, world_size, port):
+    """Rank 3 issues every call LAG seconds after the others, as a rank that is slower through
+    its backward pass issues DDP's buckets late."""
+    init(rank, world_size, port)
+    wrong = []
+    for call in range(11):  # 2 candidates x 5 trial calls, then the deciding call
+        if rank == 3:
+            time.sleep(LAG)
+        numbers = torch.full((1000,), float(rank + call))
+        dist.all_reduce(numbers)
+        if numbers.tolist() != [6.0 + 4 * call] * 1000:
+            wrong.append(call)
+    return wrong, torus_algorithm_table()
+
+
+@pytest.mark.slow
+def test_a_rank_that_issues_late_does_not_count_its_lag():
+    """The others wait LAG for rank 3 in every call, whatever the algorithm: the agreed time of
+    a call is that of the rank that issued it last, not the wait of the ones that came first."""
+    results = run_ranks(lagging_rank, 4)
+    for rank, (wrong, table) in enumerate(results):
+        assert not wrong, f"rank {rank}: wrong results at calls {wrong}"
+        assert table == results[0][1], f"rank {rank} chose otherwise"
+    [row] = results[0][1]
+    assert row["source"] == "measured", row
+    assert all(0 < candidate["seconds"] < LAG / 2 for candidate in row["candidates"]), row
+
+
 def decision_log(rank, world_size, port, folder):
     """What each rank's C++ side writes to stderr while a class is measured and decided."""
     path = os.path.join(folder, f"rank{rank}.log")

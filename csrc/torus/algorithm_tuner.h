@@ -10,11 +10,12 @@
 // trial is timed from its issue to its end: on the host by the clock and the Work's future, on
 // a device by events (the start on the caller's stream, the end on a stream of the tuner's that
 // waits for the Work), never by a host sync on the call's path. The call after the trials
-// decides: each rank takes the median time of each candidate over its calls after the first
-// (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
-// the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state),
-// the ranks combine them with one small MAX allreduce of the whole CPU group (the slowest
-// rank's time counts), and every rank picks the same fastest candidate. From then on
+// decides: one small MIN allreduce of the whole CPU group gives each timed call (all but a
+// candidate's first, a warm-up) its least time over the ranks, the time of the rank that issued
+// it last (the others' times include waiting for it: in a training step, its lag in the
+// backward pass), and every rank picks the candidate with the least median over its 4 timed
+// calls (on this shared 2-core machine a Gloo ring's time is bimodal, and the best of a few
+// calls picked its lucky mode, 2 ms against 4 ms in steady state). From then on
 // the class runs it: a table lookup, no extra collective. The decision blocks its call once,
 // until the trials have ended (bounded by the group's timeout).
 //
@@ -88,7 +89,7 @@ int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
 class AlgorithmTuner {
  public:
   // rank: for the decision's log line (rank 0 prints it); agree: the whole CPU group, for the
-  // one MAX allreduce of each decision; timeout: how long a decision waits for its trials.
+  // one MIN allreduce of each decision; timeout: how long a decision waits for its trials.
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
                  int calls_per_candidate = 5);
