@@ -113,10 +113,11 @@ def main():
                 medians = {backend: statistics.median(values)
                            for backend, values in rates.items()}
                 ratio = medians["torus"] / medians["gloo"]
+                rounds = "; ".join(f"{backend} rounds: " + " ".join(f"{v:.0f}" for v in values)
+                                   for backend, values in rates.items())
                 print(f"{case:>9} | {args.nodes:>5} | {rate:>6} | {processes:>9} | "
                       f"{medians['gloo']:10.0f} | {medians['torus']:11.0f} | {ratio:.3f}x   "
-                      + "; ".join(f"{backend} rounds: " + " ".join(f"{value:.0f}" for value in values)
-                                  for backend, values in rates.items()), flush=True)
+                      f"{rounds}", flush=True)
                 rows += [{"case": case, "nodes": args.nodes, "rate": rate,
                           "processes": processes, "backend": backend,
                           "images_per_second": medians[backend], "torus_over_gloo": ratio}

@@ -248,26 +248,27 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   const size_t count = state.candidates.size();
   const auto deadline = Clock::now() + timeout_;
   const int64_t timed = calls_per_candidate_ - 1;
-  std::vector<double> best(count);  // per candidate: the median of the agreed call times
+  std::vector<double> best(count);  // this rank's median per candidate, then the agreed one
   try {
-    // Each timed call's time, by candidate and call, then each call's least time over the
-    // ranks. A rank's time runs from its own issue, so it includes waiting for the ranks that
-    // issue later: in a training step that is their lag in the backward pass (the demo's
-    // bucket across emulated nodes at 1 Gbit/s: 36-50 ms for either algorithm, where the
-    // allreduce alone takes about 5). The rank that issued last waited for nobody; its time is
-    // the algorithm's. Every rank compares the same agreed numbers, so all pick the same one.
-    std::vector<double> times(count * timed);
+    std::vector<std::vector<double>> times(count);
     for (const auto& trial : state.trials) {
       const double seconds = trial->wait(deadline);
-      if (trial->call > 0) times[trial->candidate * timed + trial->call - 1] = seconds;
+      if (trial->call > 0) times[trial->candidate].push_back(seconds);
     }
-    std::vector<at::Tensor> agreed{at::tensor(times, at::kDouble)};
+    for (size_t i = 0; i < count; ++i) best[i] = median(times[i]);
+    // The least median over the ranks counts, so every rank compares the same numbers. A
+    // rank's time runs from its own issue, so it includes waiting for the ranks that issue
+    // later: in a training step, their lag in the backward pass (the demo's bucket across
+    // emulated nodes at 1 Gbit/s: 36-50 ms for either algorithm, where the allreduce alone
+    // takes about 5). The rank that issues last waits for nobody. A call's least time over the
+    // ranks, taken call by call, favoured algorithms whose ranks end unevenly (the one that
+    // issued last can end first); a median over a rank's own calls does not, as each starts
+    // where its previous one ended.
+    std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::MIN;
     agree_->allreduce(agreed, options)->wait(timeout_);
-    const double* call_times = agreed[0].data_ptr<double>();
-    for (size_t i = 0; i < count; ++i)
-      best[i] = median(std::vector<double>(call_times + i * timed, call_times + (i + 1) * timed));
+    best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + count);
   } catch (...) {
     TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
                 describe_class(device, size_class), " failed: ",
@@ -286,8 +287,9 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
     times += c10::str(i ? ", " : "", state.candidates[i].describe(), " ",
                       format_milliseconds(best[i]));
   std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
-            << state.decided->describe() << " (" << times << ": the median of "
-            << timed << " calls each, a call's time the least of the ranks')" << std::endl;
+            << state.decided->describe() << " (" << times
+            << ": the least over the ranks of each one's median of " << timed << " calls)"
+            << std::endl;
 }
 
 std::vector<TableRow> AlgorithmTuner::table() const {

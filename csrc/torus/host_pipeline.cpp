@@ -366,10 +366,10 @@ void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10
 void row_allgather(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const int x = shape.x();
+  const at::Tensor mine = segment->part.narrow(0, segment->row.offsets[x], segment->row.sizes[x]);
   std::vector<Transfer> sends;
   for (int j = 0; j < shape.columns; ++j)
-    if (j != x)
-      sends.push_back({j, segment->part.narrow(0, segment->row.offsets[x], segment->row.sizes[x])});
+    if (j != x) sends.push_back({j, mine});
   exchange_directly(context, segment, *context->engines.row_gather,
                     std::move(segment->row_gather_posted), sends, context->row_gather_waiter,
                     Phase::RowGather, finish);
@@ -471,10 +471,10 @@ void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
                                                   results, Phase::ColumnGather);
   }
   if (shape.columns > 1) {
+    const Split& parts = segment->row;
     std::vector<Transfer> results;
     for (int j = 0; j < shape.columns; ++j)
-      if (j != x)
-        results.push_back({j, segment->part.narrow(0, segment->row.offsets[j], segment->row.sizes[j])});
+      if (j != x) results.push_back({j, segment->part.narrow(0, parts.offsets[j], parts.sizes[j])});
     segment->row_gather_posted = post_receives(context, segment, *engines.row_gather,
                                                shape.row_ranks(), x, results, Phase::RowGather);
   }

@@ -47,9 +47,10 @@ class TorusOptions:
     algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
         group (Gloo's or NCCL's own); "auto": measured per device type and size class (each
         power of two of bytes): the first calls of a class try the flat allreduce and the torus
-        (with other segment sizes where that matters), the ranks agree on each call's time (the
-        least over the ranks: that of the rank that issued it last), and the class runs the fastest from then on (a log line on rank 0 says which;
-        torus_algorithm_table() lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
+        (with other segment sizes where that matters), the ranks agree on the least of their
+        times (that of the rank that issues last, which waits for nobody), and the class runs
+        the fastest from then on (a log line on rank 0 says which; torus_algorithm_table()
+        lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
         environment variable, else "auto". The algorithms may differ in the last bits of a
         float sum: a run that must repeat bit for bit fixes the algorithm or pins a table.
     torus_max_bytes: with "auto", a fixed rule instead of measuring: the torus for buffers of at
@@ -323,7 +324,8 @@ def torus_algorithm_table(group=None) -> list[dict]:
     """The algorithm of each size class this torus group has seen, per device type: rows of
     {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"), algorithm,
     segment_bytes, candidates: [{algorithm, segment_bytes, seconds}, ...] (each candidate's
-    median over its timed calls of a call's least time over the ranks)}. TorusOptions(table=...) takes these rows back."""
+    median time over its timed calls, the least of the ranks')}. TorusOptions(table=...) takes
+    these rows back."""
     return _torus_backend(group).algorithm_table()
 
 
