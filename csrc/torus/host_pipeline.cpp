@@ -185,16 +185,18 @@ void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
   }
 }
 
-// Runs `next` on the thread that completes `work` (see advance).
+// Runs `next` once `work` ended, on `waiter`'s thread (see advance). Not in a callback of the
+// Work's future: that runs on the engine's worker thread, and the continuation can drop the last
+// reference to this pipeline, whose engines' destructors join their worker threads: a Gloo
+// worker joining itself aborts the process ("Resource deadlock avoided", seen in CI at a job's
+// end). A WorkWaiter that ends up destroying itself detaches its thread instead.
 void then(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
-          const c10::intrusive_ptr<c10d::Work>& work, Stage next) {
-  work->getFuture()->addCallback(
-      [context, segment, phase, next](c10::ivalue::Future& future) {
-        advance(context, segment, phase,
-                future.hasError() ? std::optional<std::string>(future.tryRetrieveErrorMessage())
-                                  : std::nullopt,
-                next);
-      });
+          c10::intrusive_ptr<c10d::Work> work, WorkWaiter& waiter, Stage next) {
+  waiter.wait_then({std::move(work)}, [context, segment, phase,
+                                       next](const std::exception_ptr& error) {
+    advance(context, segment, phase,
+            error ? std::optional<std::string>(message_of(error)) : std::nullopt, next);
+  });
 }
 
 void write_headers(const Segment& segment, at::Tensor& buffer, const Exchange& exchange) {
@@ -251,7 +253,10 @@ void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backe
                Phase phase, Stage next) {
   replicate(*segment, in, sent);
   out = context->scratch.take(received.total);
-  then(context, segment, phase, exchange(group, out, in, received.splits, sent.splits), next);
+  WorkWaiter& waiter =
+      phase == Phase::RowAllreduce ? context->row_scatter_waiter : context->column_waiter;
+  then(context, segment, phase, exchange(group, out, in, received.splits, sent.splits), waiter,
+       next);
 }
 
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
