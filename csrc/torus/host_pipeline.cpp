@@ -167,15 +167,15 @@ void abandon_receives(Segment& segment) {
   }
 }
 
-// After `phase` ended (with `error`, the engine's message, when it failed): runs `next`. A
+// After `phase` ended (`error`: its first failure, null when it ended well): runs `next`. A
 // failed phase, an earlier failure of the backend (the groups' sequences may differ between
 // ranks now) or an error in `next` fails the call, so nothing pairs with the wrong peer.
 void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
-             const std::optional<std::string>& error, Stage next) {
+             const std::exception_ptr& error, Stage next) {
   try {
     if (error) {
-      TORCH_CHECK(false,
-                  describe_failure(context->shape, phase, segment->index, segment->count, *error));
+      TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index, segment->count,
+                                          message_of(error)));
     }
     if (auto failure = context->first_failure()) std::rethrow_exception(failure);
     next(context, segment);
@@ -194,8 +194,7 @@ void then(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
           c10::intrusive_ptr<c10d::Work> work, WorkWaiter& waiter, Stage next) {
   waiter.wait_then({std::move(work)}, [context, segment, phase,
                                        next](const std::exception_ptr& error) {
-    advance(context, segment, phase,
-            error ? std::optional<std::string>(message_of(error)) : std::nullopt, next);
+    advance(context, segment, phase, error, next);
   });
 }
 
@@ -247,14 +246,12 @@ c10::intrusive_ptr<c10d::Work> exchange(c10d::Backend& group, at::Tensor& output
 }
 
 // The allgather of a group: `in` holds this member's part in region 0; every member's region
-// arrives in `out` (the regions of `received`).
+// arrives in `out` (the regions of `received`); `waiter` runs `next` once it ended.
 void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
-               at::Tensor& in, const Exchange& sent, at::Tensor& out, const Exchange& received,
-               Phase phase, Stage next) {
+               WorkWaiter& waiter, at::Tensor& in, const Exchange& sent, at::Tensor& out,
+               const Exchange& received, Phase phase, Stage next) {
   replicate(*segment, in, sent);
   out = context->scratch.take(received.total);
-  WorkWaiter& waiter =
-      phase == Phase::RowAllreduce ? context->row_scatter_waiter : context->column_waiter;
   then(context, segment, phase, exchange(group, out, in, received.splits, sent.splits), waiter,
        next);
 }
@@ -361,8 +358,7 @@ void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10
         check_header(*context, *segment->call, header, posted.members[j], true);
       }
     }
-    advance(context, segment, phase,
-            error ? std::optional<std::string>(message_of(error)) : std::nullopt, next);
+    advance(context, segment, phase, error, next);
   });
 }
 
@@ -389,14 +385,16 @@ void start_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
     const Exchange sent = column_one_shot_in(shape, *segment, size);
     segment->column_in = context->scratch.take(sent.total);
     sent.data(segment->column_in, 0).copy_(segment->part);
-    return allgather(context, segment, *context->engines.column, segment->column_in, sent,
-                     segment->column_out, sent, Phase::ColumnAllreduce, after_column_one_shot);
+    return allgather(context, segment, *context->engines.column, context->column_waiter,
+                     segment->column_in, sent, segment->column_out, sent, Phase::ColumnAllreduce,
+                     after_column_one_shot);
   }
   const Exchange sent(std::vector<int64_t>(shape.columns, size), shape.x(), segment->part);
   segment->row_in = context->scratch.take(sent.total);
   sent.data(segment->row_in, 0).copy_(segment->part);
-  allgather(context, segment, *context->engines.row_scatter, segment->row_in, sent,
-            segment->row_out, sent, Phase::RowAllreduce, after_row_one_shot);
+  allgather(context, segment, *context->engines.row_scatter, context->row_scatter_waiter,
+            segment->row_in, sent, segment->row_out, sent, Phase::RowAllreduce,
+            after_row_one_shot);
 }
 
 // This member's buffer plus the row's: the result (one row), or what goes to the column.
@@ -422,8 +420,9 @@ void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
     return finish(context, segment);
   }
   const Exchange sent = column_one_shot_in(shape, *segment, size);
-  allgather(context, segment, *context->engines.column, segment->column_in, sent,
-            segment->column_out, sent, Phase::ColumnAllreduce, after_column_one_shot);
+  allgather(context, segment, *context->engines.column, context->column_waiter,
+            segment->column_in, sent, segment->column_out, sent, Phase::ColumnAllreduce,
+            after_column_one_shot);
 }
 
 // The row's sum plus the column's: the result.
