@@ -71,11 +71,13 @@ def time_round(run, group, iters):
 
 
 def describe_choice(nbytes, group):
-    """What a torus group runs for this size: "flat", "torus" or "torus 16M" (its segment size
-    where it is not the default one)."""
+    """What a torus group runs for this size: "flat", "torus", "torus 16M" (its segment size
+    where it is not the default one) or "torus 1-shot" (its one-shot form, chosen by "auto")."""
     rows = [row for row in torus_algorithm_table(group) if row["device"] == "cpu"
             and row["min_bytes"] <= nbytes <= row["max_bytes"]]
     algorithm = torus_algorithm(nbytes, group)
+    if rows and algorithm == "torus" and rows[0]["one_shot"]:
+        return "torus 1-shot"
     if rows and algorithm == "torus" and rows[0]["segment_bytes"] != CPU_SEGMENT_BYTES:
         return "torus " + label(rows[0]["segment_bytes"]).replace(" ", "").removesuffix("iB")
     return algorithm

@@ -492,7 +492,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 12 + [1_000_003] * 22 + [5] * 12
+    sizes = [300, 60_000] * 16 + [1_000_003] * 22 + [5] * 16
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -521,7 +521,7 @@ def test_auto_measures_and_every_rank_agrees():
     world = results[0][1]["world"]
     for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
         assert tables["world"] == world, f"rank {rank} chose otherwise"
-        assert sum(counts.values()) == 58
+        assert sum(counts.values()) == 70
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
     # 2.4 KB, 480 KB, 8 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 8 MiB and 64 bytes.
@@ -530,14 +530,15 @@ def test_auto_measures_and_every_rank_agrees():
         assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
         candidates = row["candidates"]
         # Above 2 MiB the torus is tried with 2 MiB, 16 MiB and 512 KiB segments (4 x 5 trial
-        # calls, then the deciding call: 21 of the 22 calls of 8 MB).
-        assert len(candidates) == (4 if row["max_bytes"] > 2 << 20 else 2), row
-        assert [c["algorithm"] for c in candidates] == ["flat"] + ["torus"] * (len(candidates) - 1)
-        if len(candidates) == 4:
-            assert [c["segment_bytes"] for c in candidates[1:]] == [2 << 20, 16 << 20, 512 << 10]
+        # calls, then the deciding call: 21 of the 22 calls of 8 MB); up to 256 KiB with 2 MiB
+        # segments (one) and in its one-shot form (3 x 5 trial calls, then the deciding call).
+        segments = {64: [2 << 20, None], 4096: [2 << 20, None], 512 << 10: [2 << 20],
+                    8 << 20: [2 << 20, 16 << 20, 512 << 10]}[row["max_bytes"]]
+        assert [(c["algorithm"], c["segment_bytes"], c["one_shot"]) for c in candidates] == \
+            [("flat", None, False)] + [("torus", size, size is None) for size in segments], row
         fastest = min(candidates, key=lambda c: c["seconds"])
-        assert (row["algorithm"], row["segment_bytes"]) == (fastest["algorithm"],
-                                                            fastest["segment_bytes"])
+        assert [row[key] for key in ("algorithm", "segment_bytes", "one_shot")] == \
+            [fastest[key] for key in ("algorithm", "segment_bytes", "one_shot")]
         assert all(0 < c["seconds"] < 10 for c in candidates), row
 
 
@@ -549,7 +550,7 @@ def lagging_rank(rank, world_size, port):
     its backward pass issues DDP's buckets late."""
     init(rank, world_size, port)
     wrong = []
-    for call in range(11):  # 2 candidates x 5 trial calls, then the deciding call
+    for call in range(16):  # 3 candidates x 5 trial calls, then the deciding call
         if rank == 3:
             time.sleep(LAG)
         numbers = torch.full((1000,), float(rank + call))
@@ -578,7 +579,7 @@ def decision_log(rank, world_size, port, folder):
     with open(path, "w") as log:
         os.dup2(log.fileno(), 2)
     init(rank, world_size, port)
-    for _ in range(11):  # 2 candidates x 5 trial calls, then the deciding call
+    for _ in range(16):  # 3 candidates x 5 trial calls, then the deciding call
         dist.all_reduce(torch.ones(1000))
     with open(path) as log:
         return log.read(), torus_algorithm(4000)
@@ -592,7 +593,8 @@ def test_rank_zero_logs_each_decision(tmp_path):
     assert len(lines) == 1, text
     assert lines[0].startswith(f"torch_bigbatch torus: cpu allreduces over 2 KiB up to 4 KiB "
                                f"run {chosen}"), lines
-    assert "flat " in lines[0] and "torus (2 MiB segments) " in lines[0], lines
+    for candidate in ("flat ", "torus (2 MiB segments) ", "torus (one shot) "):
+        assert candidate in lines[0], lines
     assert all("torch_bigbatch torus:" not in text for text, _ in results[1:])
 
 
@@ -606,9 +608,11 @@ def pinned(rank, world_size, port, table):
 
 
 @pytest.mark.slow
-def test_a_pinned_table_skips_the_trials(tmp_path):
+@pytest.mark.parametrize("segment_bytes, one_shot", [(1 << 20, False), (None, True)])
+def test_a_pinned_table_skips_the_trials(tmp_path, segment_bytes, one_shot):
+    """The torus of 4000 bytes in either form: one segment of four phases, or one shot."""
     table = [{"device": "cpu", "min_bytes": 2049, "max_bytes": 4096, "algorithm": "torus",
-              "segment_bytes": 1 << 20}]
+              "segment_bytes": segment_bytes, "one_shot": one_shot}]
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
     for rows, counts, chosen in run_ranks(pinned, 4, str(path)):
@@ -621,6 +625,9 @@ def test_a_bad_table_is_refused(tmp_path):
         TorusOptions(table=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="algorithm flat or torus"):
         TorusOptions(table=[{"device": "cpu", "max_bytes": 4096, "algorithm": "ring"}])
+    with pytest.raises(ValueError, match="one_shot on cpu"):
+        TorusOptions(table=[{"device": "cuda", "max_bytes": 4096, "algorithm": "torus",
+                             "one_shot": True}])
     with pytest.raises(ValueError, match="needs device, max_bytes and algorithm"):
         TorusOptions(table=[{"device": "cpu"}])
     with pytest.raises(ValueError, match="applies to algorithm 'auto'"):

@@ -94,6 +94,7 @@ struct Trial {
 
 std::string Choice::describe() const {
   if (algorithm == Algorithm::Flat) return "flat";
+  if (one_shot) return "torus (one shot)";
   return c10::str("torus (", format_bytes(segment_bytes), " segments)");
 }
 
@@ -117,6 +118,9 @@ AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
   for (const auto& entry : pinned) {
     TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
                 "torus: a pinned size class must be in [0, 62], got ", entry.size_class);
+    TORCH_CHECK(!entry.choice.one_shot || tuning(entry.device).one_shot_max_bytes > 0,
+                "torus: the one-shot torus runs on CPU tensors only, got it pinned for ",
+                c10::DeviceTypeName(entry.device, /*lower_case=*/true));
     ClassState& state = classes_[{entry.device, entry.size_class}];
     state.decided = entry.choice;
     state.source = "pinned";
@@ -127,14 +131,20 @@ const DeviceTuning& AlgorithmTuner::tuning(c10::DeviceType device) const {
   return device == c10::DeviceType::CPU ? cpu_ : cuda_;
 }
 
-// The flat allreduce, then the torus with its segments, and with each alternative segment size
-// that cuts the class's largest buffer into another number of segments than those before it; a
-// size smaller than the default only where it makes at least 8 segments. Every candidate is one
-// more chance for noisy trials to pick a loser (a 1 MiB class across emulated nodes took 512 KiB
-// segments in trials and ran 0.80x Gloo), and two to four segments pipeline little.
+// The flat allreduce, then the torus with its segments, its one-shot form where the class's
+// buffers may take it, and the torus with each alternative segment size that cuts the class's
+// largest buffer into another number of segments than those before it; a size smaller than the
+// default only where it makes at least 8 segments. Every candidate is one more chance for noisy
+// trials to pick a loser (a 1 MiB class across emulated nodes took 512 KiB segments in trials
+// and ran 0.80x Gloo), and two to four segments pipeline little. Both forms of the torus where
+// the one-shot one may run: it sends X - 1 + Y - 1 buffers per rank against about 2, and which
+// costs less depends on the links (256 KiB across emulated nodes at 1 Gbit/s: one-shot 0.9x
+// Gloo, segmented 1.5-2x; on one machine as 4x4, where steps cost more than bytes, one-shot
+// takes 0.5-0.65x the segmented one's time up to 256 KiB).
 std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int size_class) const {
   std::vector<Choice> result{{Algorithm::Flat, 0}, {Algorithm::Torus, tuning.segment_bytes}};
   const int64_t top = int64_t(1) << size_class;
+  if (top <= tuning.one_shot_max_bytes) result.push_back({Algorithm::Torus, 0, true});
   auto segments = [top](int64_t size) { return (top + size - 1) / size; };
   std::vector<int64_t> counts{segments(tuning.segment_bytes)};
   for (int64_t other : tuning.alternative_segment_bytes) {
@@ -149,7 +159,10 @@ std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int s
 // The choice of the modes that measure nothing; none under TuningMode::Measure.
 std::optional<Choice> AlgorithmTuner::fixed_choice(const DeviceTuning& tuning,
                                                    int64_t bytes) const {
-  const Choice torus{Algorithm::Torus, tuning.segment_bytes}, flat{Algorithm::Flat, 0};
+  const Choice torus = bytes <= tuning.one_shot_max_bytes
+                           ? Choice{Algorithm::Torus, 0, true}
+                           : Choice{Algorithm::Torus, tuning.segment_bytes};
+  const Choice flat{Algorithm::Flat, 0};
   switch (tuning.mode) {
     case TuningMode::Torus:
       return torus;

@@ -1,6 +1,7 @@
 // Which algorithm each allreduce of a torus group runs: the whole group's own allreduce
-// ("flat": Gloo's or NCCL's) or the torus pipeline with a segment size, per device type and
-// size class (the powers of two of bytes: a class holds the sizes in (2^(k-1), 2^k]).
+// ("flat": Gloo's or NCCL's) or the torus pipeline with a segment size (or, for small host
+// buffers, in its one-shot form), per device type and size class (the powers of two of bytes:
+// a class holds the sizes in (2^(k-1), 2^k]).
 //
 // Under "auto" the tuner measures instead of guessing. The first calls of a class are trials:
 // each candidate in turn runs a few calls on the caller's own data (in a fixed order, so every
@@ -50,12 +51,14 @@ struct Trial;  // one timed trial call (algorithm_tuner.cpp)
 
 struct Choice {
   Algorithm algorithm = Algorithm::Flat;
-  int64_t segment_bytes = 0;  // for Algorithm::Torus
+  int64_t segment_bytes = 0;  // for Algorithm::Torus, unless one_shot
+  bool one_shot = false;      // the torus's two whole-buffer exchanges (HostPipeline)
 
   bool operator==(const Choice& other) const {
-    return algorithm == other.algorithm && segment_bytes == other.segment_bytes;
+    return algorithm == other.algorithm && segment_bytes == other.segment_bytes &&
+           one_shot == other.one_shot;
   }
-  std::string describe() const;  // "flat", "torus (2 MiB segments)"
+  std::string describe() const;  // "flat", "torus (2 MiB segments)", "torus (one shot)"
 };
 
 enum class TuningMode { Measure, Limit, Torus, Flat };
@@ -67,6 +70,9 @@ struct DeviceTuning {
   int64_t segment_bytes = 2 << 20;        // the torus's segments outside trials
   // Also tried, each where it cuts the class's buffers into another number of segments.
   std::vector<int64_t> alternative_segment_bytes;
+  // The torus's one-shot form up to this size (0: it has none): a candidate beside the
+  // segmented torus, and what the fixed modes' torus runs.
+  int64_t one_shot_max_bytes = 0;
 };
 
 // A class's choice given by the user: skips its trials.

@@ -104,6 +104,7 @@ struct Call {
   c10d::ReduceOp op;
   int64_t numel = 0;
   int32_t kind = 0;
+  bool one_shot = false;  // one segment, in the one-shot form
   std::atomic<int64_t> segments_left{0};
   // What the headers told so far, over all segments: the phases of different segments check
   // them on different threads.
@@ -376,8 +377,8 @@ void row_allgather(const ContextPtr& context, const SegmentPtr& segment) {
                     Phase::RowGather, finish);
 }
 
-// Calling thread. Small buffers: every row member's whole buffer to every other (or, in a row
-// of one, straight to the column).
+// Calling thread. The one-shot form: every row member's whole buffer to every other (or, in a
+// row of one, straight to the column).
 void start_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const int64_t size = segment->part.numel();
@@ -488,8 +489,7 @@ void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
 // go to them from their places, and their contributions to this rank's part arrive in
 // `row_received`.
 void start(const ContextPtr& context, const SegmentPtr& segment) {
-  if (segment->count == 1 && segment->part.numel() * segment->element_size() <= kOneShotBytes)
-    return start_one_shot(context, segment);
+  if (segment->call->one_shot) return start_one_shot(context, segment);
   post_later_receives(context, segment);
   const TorusShape& shape = context->shape;
   if (shape.columns == 1) return after_row_scatter(context, segment);
@@ -614,8 +614,9 @@ HostPipeline::HostPipeline(TorusShape shape, Engines engines)
 
 c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> inputs,
                                                        c10d::ReduceOp op, c10d::OpType op_type,
-                                                       int64_t segment_bytes) {
-  TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
+                                                       int64_t segment_bytes, bool one_shot) {
+  TORCH_CHECK(one_shot || segment_bytes > 0, "torus: segment_bytes must be positive, got ",
+              segment_bytes);
   if (const std::exception_ptr failure = context_->first_failure()) {
     try {
       std::rethrow_exception(failure);
@@ -630,11 +631,13 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   call->op = op;
   call->numel = call->buffer.flat.numel();
   call->kind = call_kind(call->buffer.flat.scalar_type(), op);
+  call->one_shot = one_shot;
   if (call->numel == 0) {  // nothing to exchange
     call->work->complete();
     return call->work;
   }
-  const auto spans = call->buffer.segments(segment_bytes);
+  const auto spans = one_shot ? std::vector<std::pair<int64_t, int64_t>>{{0, call->numel}}
+                              : call->buffer.segments(segment_bytes);
   call->segments_left = static_cast<int64_t>(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     auto segment = std::make_shared<Segment>();

@@ -12,8 +12,8 @@
 // the allgathers' parts arrive in theirs, sums are made in place, and only what a rank receives
 // to sum goes through a scratch buffer (an alltoall needs one contiguous input and output: a
 // staged copy of what is sent and of what is received). Parts differ by at most one element,
-// so no buffer is padded or copied whole because of its length. Buffers up to kOneShotBytes
-// take two alltoalls instead (below).
+// so no buffer is padded or copied whole because of its length. A call may take the one-shot
+// form instead: two alltoalls (below).
 //
 // Ordering without a progress thread per call: the calling thread posts every segment's row
 // reduce-scatter, in call and segment order; each later phase is posted when the phase before
@@ -40,10 +40,11 @@
 
 namespace torch_bigbatch::torus {
 
-// Buffers up to this size take two exchanges instead of up to four: each row member sends its
-// whole buffer to every other and sums what it receives, then each column member its row's sum.
-// A rank sends X - 1 + Y - 1 times the buffer, against about 2 times, so only where a step
-// costs more than the bytes (measured: README, "The torus backend").
+// The one-shot form: two exchanges instead of up to four: each row member sends its whole
+// buffer to every other and sums what it receives, then each column member its row's sum. A
+// rank sends X - 1 + Y - 1 times the buffer, against about 2 times, so only where a step costs
+// more than the bytes: buffers up to this size may take it ("auto" measures both forms; a fixed
+// torus takes it up to this size. README, "The torus backend").
 constexpr int64_t kOneShotBytes = 256 << 10;
 
 class HostPipeline {
@@ -51,9 +52,11 @@ class HostPipeline {
   HostPipeline(TorusShape shape, Engines engines);
 
   // Reduces `inputs` (one dtype, CPU) in place: one tensor for allreduce, several for
-  // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes.
+  // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes,
+  // or, `one_shot`, whole in the one-shot form.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor> inputs, c10d::ReduceOp op,
-                                           c10d::OpType op_type, int64_t segment_bytes);
+                                           c10d::OpType op_type, int64_t segment_bytes,
+                                           bool one_shot);
 
   struct Context;  // what the phases' callbacks share: shape, engines, scratch, first failure
 

@@ -49,6 +49,12 @@ c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op) {
   }
 }
 
+// The host pipeline has a one-shot form for small buffers (see kOneShotBytes).
+DeviceTuning with_one_shot(DeviceTuning tuning) {
+  tuning.one_shot_max_bytes = kOneShotBytes;
+  return tuning;
+}
+
 }  // namespace
 
 TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cpu,
@@ -58,7 +64,7 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       timeout_(settings.timeout),
       cpu_(std::move(cpu)),
       cuda_(std::move(cuda)),
-      tuner_(shape.rank, settings.cpu, settings.cuda, std::move(settings.pinned),
+      tuner_(shape.rank, with_one_shot(settings.cpu), settings.cuda, std::move(settings.pinned),
              cpu_ ? cpu_->whole : nullptr, settings.timeout) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
               shape_.rows, " does not match the group size ", size);
@@ -149,8 +155,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   try {
     work = call.choice.algorithm == Algorithm::Flat
                ? whole_allreduce(engines, std::move(tensors), op, op_type)
-               : pipeline_allreduce(std::move(tensors), op, op_type, collective,
-                                    call.choice.segment_bytes);
+               : pipeline_allreduce(std::move(tensors), op, op_type, collective, call.choice);
   } catch (...) {
     tuner_.abandon(call, std::current_exception());
     throw;
@@ -163,18 +168,21 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::
                                                                 const c10d::ReduceOp& op,
                                                                 c10d::OpType op_type,
                                                                 const char* collective,
-                                                                int64_t segment_bytes) {
+                                                                const Choice& choice) {
   const at::ScalarType dtype = tensors.front().scalar_type();
   if (tensors.front().device().is_cpu()) {
     TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
     if (dtype == at::kBool) {  // as bytes of 0 and 1: any (SUM, MAX, BOR) or all (the rest)
       for (auto& tensor : tensors) tensor = tensor.view(at::kByte);
-      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type, segment_bytes);
+      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type,
+                              choice.segment_bytes, choice.one_shot);
     }
-    return host_->allreduce(std::move(tensors), op, op_type, segment_bytes);
+    return host_->allreduce(std::move(tensors), op, op_type, choice.segment_bytes,
+                            choice.one_shot);
   }
   TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
-  return stream_->allreduce(std::move(tensors), op, op_type, segment_bytes);
+  TORCH_INTERNAL_ASSERT(!choice.one_shot, "the stream pipeline has no one-shot form");
+  return stream_->allreduce(std::move(tensors), op, op_type, choice.segment_bytes);
 }
 
 namespace {

@@ -109,7 +109,7 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> pipeline_allreduce(std::vector<at::Tensor> tensors,
                                                     const c10d::ReduceOp& op,
                                                     c10d::OpType op_type, const char* collective,
-                                                    int64_t segment_bytes);
+                                                    const Choice& choice);
   c10::intrusive_ptr<c10d::Work> whole_allreduce(const Engines& engines,
                                                  std::vector<at::Tensor> tensors,
                                                  const c10d::ReduceOp& op, c10d::OpType op_type);

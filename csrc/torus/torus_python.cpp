@@ -23,8 +23,8 @@ namespace {
 // (mode, torus_max_bytes, segment_bytes, alternative_segment_bytes), mode one of "measure",
 // "limit", "torus", "flat".
 using TuningSpec = std::tuple<std::string, int64_t, int64_t, std::vector<int64_t>>;
-// (device, size class, "flat" or "torus", segment_bytes).
-using PinnedSpec = std::tuple<std::string, int, std::string, int64_t>;
+// (device, size class, "flat" or "torus", segment_bytes, one_shot).
+using PinnedSpec = std::tuple<std::string, int, std::string, int64_t, bool>;
 
 DeviceTuning device_tuning(const TuningSpec& spec) {
   const auto& [mode, torus_max_bytes, segment_bytes, alternative_segment_bytes] = spec;
@@ -39,10 +39,11 @@ DeviceTuning device_tuning(const TuningSpec& spec) {
   return {modes.at(mode), torus_max_bytes, segment_bytes, alternative_segment_bytes};
 }
 
-Choice choice(const std::string& algorithm, int64_t segment_bytes) {
+Choice choice(const std::string& algorithm, int64_t segment_bytes, bool one_shot) {
   TORCH_CHECK(algorithm == "flat" || algorithm == "torus",
               "torus: an algorithm is 'flat' or 'torus', got ", algorithm);
   if (algorithm == "flat") return {Algorithm::Flat, 0};
+  if (one_shot) return {Algorithm::Torus, 0, true};
   TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
   return {Algorithm::Torus, segment_bytes};
 }
@@ -51,7 +52,9 @@ void describe_choice(const std::optional<Choice>& choice, py::dict& row) {
   const bool torus = choice && choice->algorithm == Algorithm::Torus;
   row["algorithm"] =
       choice ? py::object(py::str(torus ? "torus" : "flat")) : py::object(py::none());
-  row["segment_bytes"] = torus ? py::object(py::int_(choice->segment_bytes)) : py::none();
+  row["segment_bytes"] =
+      torus && !choice->one_shot ? py::object(py::int_(choice->segment_bytes)) : py::none();
+  row["one_shot"] = torus && choice->one_shot;
 }
 
 py::list algorithm_table(const TorusBackend& self) {
@@ -102,9 +105,9 @@ void bind_torus(py::module& m) {
                        std::chrono::milliseconds timeout) {
              TorusSettings settings{device_tuning(cpu_tuning), device_tuning(cuda_tuning), {},
                                     timeout};
-             for (const auto& [device, size_class, algorithm, segment_bytes] : pinned) {
+             for (const auto& [device, size_class, algorithm, segment_bytes, one_shot] : pinned) {
                settings.pinned.push_back({c10::Device(device).type(), size_class,
-                                          choice(algorithm, segment_bytes)});
+                                          choice(algorithm, segment_bytes, one_shot)});
              }
              return c10::make_intrusive<TorusBackend>(TorusShape{columns, rows, rank}, size,
                                                       std::move(cpu), std::move(cuda),
@@ -128,7 +131,7 @@ void bind_torus(py::module& m) {
             return row;
           },
           "What an allreduce of `bytes` on `device` tensors runs: {'algorithm': 'flat' or "
-          "'torus' or None (still measuring), 'segment_bytes': ...}")
+          "'torus' or None (still measuring), 'segment_bytes': ..., 'one_shot': ...}")
       .def(
           "allreduce_counts", [](const TorusBackend& self) { return self.tuner().counts(); },
           "Allreduces run per device type and algorithm: {'cpu torus': 12, ...}");

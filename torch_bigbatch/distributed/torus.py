@@ -44,10 +44,12 @@ class TorusOptions:
     shape: (X, Y) or "XxY": X ranks per row (usually the GPUs of a node), Y rows. None: the
         TORCH_BIGBATCH_TORUS environment variable for groups of the world's size, else X =
         LOCAL_WORLD_SIZE when it divides the group size, else the factorization nearest a square.
-    algorithm: what an allreduce runs. "torus": the 2D torus; "flat": one allreduce of the whole
+    algorithm: what an allreduce runs. "torus": the 2D torus (in its one-shot form on CPU
+        tensors up to 256 KiB); "flat": one allreduce of the whole
         group (Gloo's or NCCL's own); "auto": measured per device type and size class (each
         power of two of bytes): the first calls of a class try the flat allreduce and the torus
-        (with other segment sizes where that matters), the ranks agree on the least of their
+        (with other segment sizes where that matters, and on CPU tensors up to 256 KiB also in
+        its one-shot form, two whole-buffer exchanges), the ranks agree on the least of their
         times (that of the rank that issues last, which waits for nobody), and the class runs
         the fastest from then on (a log line on rank 0 says which; torus_algorithm_table()
         lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
@@ -93,7 +95,7 @@ class TorusOptions:
 
 
 def _pinned_rows(table):
-    """(device, size class, algorithm, segment_bytes) of each row of `table` (rows as
+    """(device, size class, algorithm, segment_bytes, one_shot) of each row of `table` (rows as
     torus_algorithm_table() returns them, or a JSON file of them) that names an algorithm."""
     where = "the table"
     if isinstance(table, (str, os.PathLike)):
@@ -110,16 +112,20 @@ def _pinned_rows(table):
         try:
             device, max_bytes, algorithm = row["device"], int(row["max_bytes"]), row["algorithm"]
             segment_bytes = int(row.get("segment_bytes") or 0)
+            one_shot = bool(row.get("one_shot", False))
         except (TypeError, KeyError, ValueError) as error:
             raise ValueError(f"{where}: a row needs device, max_bytes and algorithm; got "
                              f"{row!r}") from error
         if algorithm is None:
             continue
         if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") or max_bytes < 0 \
-                or (algorithm == "torus" and segment_bytes <= 0):
+                or (algorithm == "torus" and segment_bytes <= 0 and not one_shot) \
+                or (one_shot and device != "cpu"):
             raise ValueError(f"{where}: device must be cpu or cuda, algorithm flat or torus (with "
-                             f"a positive segment_bytes), max_bytes >= 0; got {row!r}")
-        pinned.append((device, max(0, (max_bytes - 1).bit_length()), algorithm, segment_bytes))
+                             f"a positive segment_bytes, or one_shot on cpu), max_bytes >= 0; "
+                             f"got {row!r}")
+        pinned.append((device, max(0, (max_bytes - 1).bit_length()), algorithm, segment_bytes,
+                       one_shot))
     return pinned
 
 
@@ -323,9 +329,10 @@ def torus_algorithm(nbytes, group=None, device="cpu") -> str:
 def torus_algorithm_table(group=None) -> list[dict]:
     """The algorithm of each size class this torus group has seen, per device type: rows of
     {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"), algorithm,
-    segment_bytes, candidates: [{algorithm, segment_bytes, seconds}, ...] (each candidate's
-    median time over its timed calls, the least of the ranks')}. TorusOptions(table=...) takes
-    these rows back."""
+    segment_bytes, one_shot, candidates: [{algorithm, segment_bytes, one_shot, seconds}, ...]
+    (each candidate's median time over its timed calls, the least of the ranks')}. one_shot: the
+    torus in its form of two whole-buffer exchanges (CPU tensors up to 256 KiB; segment_bytes
+    None). TorusOptions(table=...) takes these rows back."""
     return _torus_backend(group).algorithm_table()
 
 
