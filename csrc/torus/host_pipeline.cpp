@@ -85,6 +85,9 @@ struct HostPipeline::Context {
   ScratchPool scratch;
   // The direct exchanges' Works, in issue order, one thread per phase (see exchange_directly).
   WorkWaiter row_scatter_waiter, column_waiter, column_gather_waiter, row_gather_waiter;
+  // Held while posting to an engine: the calling thread and the phase threads post to the same
+  // process groups, and ProcessGroupGloo counts its calls in a plain integer (seq_).
+  mutable std::mutex posting;
   std::mutex mutex;
   std::exception_ptr failure;  // the first one: the backend is unusable after it
 
@@ -240,12 +243,6 @@ void check_headers(const HostPipeline::Context& context, Segment& segment,
   }
 }
 
-c10::intrusive_ptr<c10d::Work> exchange(c10d::Backend& group, at::Tensor& output,
-                                        at::Tensor& input, std::vector<int64_t> output_splits,
-                                        std::vector<int64_t> input_splits) {
-  return group.alltoall_base(output, input, output_splits, input_splits);
-}
-
 // The allgather of a group: `in` holds this member's part in region 0; every member's region
 // arrives in `out` (the regions of `received`); `waiter` runs `next` once it ended.
 void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backend& group,
@@ -253,8 +250,13 @@ void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backe
                const Exchange& received, Phase phase, Stage next) {
   replicate(*segment, in, sent);
   out = context->scratch.take(received.total);
-  then(context, segment, phase, exchange(group, out, in, received.splits, sent.splits), waiter,
-       next);
+  std::vector<int64_t> output_splits = received.splits, input_splits = sent.splits;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lock(context->posting);
+    work = group.alltoall_base(out, in, output_splits, input_splits);
+  }
+  then(context, segment, phase, std::move(work), waiter, next);
 }
 
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
@@ -294,6 +296,7 @@ c10::intrusive_ptr<c10d::Work> post(const HostPipeline::Context& context, const 
                                     at::Tensor tensor, int peer, int tag) {
   std::vector<at::Tensor> tensors{std::move(tensor)};
   try {  // Gloo posts at once: a peer known to be gone fails here
+    std::lock_guard<std::mutex> lock(context.posting);
     return send ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag);
   } catch (...) {
     TORCH_CHECK(false, describe_failure(context.shape, phase, segment.index, segment.count,
