@@ -625,9 +625,9 @@ def test_a_bad_table_is_refused(tmp_path):
         TorusOptions(table=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="algorithm flat or torus"):
         TorusOptions(table=[{"device": "cpu", "max_bytes": 4096, "algorithm": "ring"}])
-    with pytest.raises(ValueError, match="one_shot on cpu"):
-        TorusOptions(table=[{"device": "cuda", "max_bytes": 4096, "algorithm": "torus",
-                             "one_shot": True}])
+    for bad in ({"device": "cuda", "one_shot": True}, {"device": "cpu", "one_shot": "false"}):
+        with pytest.raises(ValueError, match="one_shot true on cpu"):
+            TorusOptions(table=[{"max_bytes": 4096, "algorithm": "torus", **bad}])
     with pytest.raises(ValueError, match="needs device, max_bytes and algorithm"):
         TorusOptions(table=[{"device": "cpu"}])
     with pytest.raises(ValueError, match="applies to algorithm 'auto'"):

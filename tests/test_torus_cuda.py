@@ -85,6 +85,11 @@ def allreduce_on_gpus(rank, world_size, port, shape):
     for tensor in tensors:
         assert torch.equal(tensor, torch.full_like(tensor, expected("SUM", 0.0, world_size)))
 
+    # An empty tensor reduces to an empty tensor (0 bytes: no host-only one-shot form here).
+    empty = torch.empty(0, device=device)
+    dist.all_reduce(empty)
+    assert empty.shape == (0,) and empty.is_cuda
+
     # Consecutive calls in flight at once, as DDP's buckets are; each future chained as DDP's
     # communication hooks do.
     tensors = [torch.full((50_000,), float(rank + i), device=device) for i in range(20)]
@@ -96,7 +101,7 @@ def allreduce_on_gpus(rank, world_size, port, shape):
         assert work.wait()
         assert torch.equal(tensor, want), f"call {i}"
         assert work.is_completed() and work.is_success()
-    assert pipeline_calls() == checked + 1 + 1 + 20
+    assert pipeline_calls() == checked + 1 + 1 + 1 + 20
     return checked
 
 

@@ -159,9 +159,10 @@ std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int s
 // The choice of the modes that measure nothing; none under TuningMode::Measure.
 std::optional<Choice> AlgorithmTuner::fixed_choice(const DeviceTuning& tuning,
                                                    int64_t bytes) const {
-  const Choice torus = bytes <= tuning.one_shot_max_bytes
-                           ? Choice{Algorithm::Torus, 0, true}
-                           : Choice{Algorithm::Torus, tuning.segment_bytes};
+  // (an empty buffer, 0 bytes, takes the one-shot form only where there is one)
+  const bool one_shot = tuning.one_shot_max_bytes > 0 && bytes <= tuning.one_shot_max_bytes;
+  const Choice torus = one_shot ? Choice{Algorithm::Torus, 0, true}
+                                : Choice{Algorithm::Torus, tuning.segment_bytes};
   const Choice flat{Algorithm::Flat, 0};
   switch (tuning.mode) {
     case TuningMode::Torus:

@@ -112,18 +112,19 @@ def _pinned_rows(table):
         try:
             device, max_bytes, algorithm = row["device"], int(row["max_bytes"]), row["algorithm"]
             segment_bytes = int(row.get("segment_bytes") or 0)
-            one_shot = bool(row.get("one_shot", False))
+            one_shot = row.get("one_shot", False)
         except (TypeError, KeyError, ValueError) as error:
             raise ValueError(f"{where}: a row needs device, max_bytes and algorithm; got "
                              f"{row!r}") from error
         if algorithm is None:
             continue
         if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") or max_bytes < 0 \
+                or not isinstance(one_shot, bool) \
                 or (algorithm == "torus" and segment_bytes <= 0 and not one_shot) \
                 or (one_shot and device != "cpu"):
             raise ValueError(f"{where}: device must be cpu or cuda, algorithm flat or torus (with "
-                             f"a positive segment_bytes, or one_shot on cpu), max_bytes >= 0; "
-                             f"got {row!r}")
+                             f"a positive segment_bytes, or one_shot true on cpu), max_bytes >= 0, "
+                             f"one_shot true or false; got {row!r}")
         pinned.append((device, max(0, (max_bytes - 1).bit_length()), algorithm, segment_bytes,
                        one_shot))
     return pinned
