@@ -139,7 +139,7 @@ const DeviceTuning& AlgorithmTuner::tuning(c10::DeviceType device) const {
 // and ran 0.80x Gloo), and two to four segments pipeline little. Both forms of the torus where
 // the one-shot one may run: it sends X - 1 + Y - 1 buffers per rank against about 2, and which
 // costs less depends on the links (256 KiB across emulated nodes at 1 Gbit/s: one-shot
-// 0.8-1.25x Gloo over seven runs, the four-phase form 1.5-2x over three; on one machine as 4x4,
+// 0.8-1.25x Gloo over nine runs, the four-phase form 1.5-2x over four; on one machine as 4x4,
 // where steps cost more than bytes, one-shot takes 0.4-0.7x the four-phase form's time in
 // trials up to 256 KiB).
 std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int size_class) const {
