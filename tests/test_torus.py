@@ -492,7 +492,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 16 + [1_000_003] * 22 + [5] * 16
+    sizes = [300, 60_000] * 16 + [2_000_003] * 22 + [5] * 16
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -524,16 +524,16 @@ def test_auto_measures_and_every_rank_agrees():
         assert sum(counts.values()) == 70
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
-    # 2.4 KB, 480 KB, 8 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 8 MiB and 64 bytes.
-    assert sorted(rows) == [64, 4096, 512 << 10, 8 << 20]
+    # 2.4 KB, 480 KB, 16 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 16 MiB and 64 bytes.
+    assert sorted(rows) == [64, 4096, 512 << 10, 16 << 20]
     for row in world:
         assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
         candidates = row["candidates"]
-        # Above 2 MiB the torus is tried with 2 MiB, 16 MiB and 512 KiB segments (4 x 5 trial
-        # calls, then the deciding call: 21 of the 22 calls of 8 MB); up to 256 KiB with 2 MiB
+        # Above 8 MiB the torus is tried with 8 MiB, 32 MiB and 2 MiB segments (4 x 5 trial
+        # calls, then the deciding call: 21 of the 22 calls of 16 MB); up to 256 KiB with 8 MiB
         # segments (one) and in its one-shot form (3 x 5 trial calls, then the deciding call).
-        segments = {64: [2 << 20, None], 4096: [2 << 20, None], 512 << 10: [2 << 20],
-                    8 << 20: [2 << 20, 16 << 20, 512 << 10]}[row["max_bytes"]]
+        segments = {64: [8 << 20, None], 4096: [8 << 20, None], 512 << 10: [8 << 20],
+                    16 << 20: [8 << 20, 32 << 20, 2 << 20]}[row["max_bytes"]]
         assert [(c["algorithm"], c["segment_bytes"], c["one_shot"]) for c in candidates] == \
             [("flat", None, False)] + [("torus", size, size is None) for size in segments], row
         fastest = min(candidates, key=lambda c: c["seconds"])
@@ -598,7 +598,7 @@ def test_rank_zero_logs_each_decision(tmp_path):
     assert len(lines) == 1, text
     assert lines[0].startswith(f"torch_bigbatch torus: cpu allreduces over 2 KiB up to 4 KiB "
                                f"run {chosen}"), lines
-    for candidate in ("flat ", "torus (2 MiB segments) ", "torus (one shot) "):
+    for candidate in ("flat ", "torus (8 MiB segments) ", "torus (one shot) "):
         assert candidate in lines[0], lines
     assert all("torch_bigbatch torus:" not in text for text, _ in results[1:])
 

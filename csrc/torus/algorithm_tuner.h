@@ -67,7 +67,7 @@ enum class TuningMode { Measure, Limit, Torus, Flat };
 struct DeviceTuning {
   TuningMode mode = TuningMode::Measure;
   int64_t torus_max_bytes = 0;            // TuningMode::Limit
-  int64_t segment_bytes = 2 << 20;        // the torus's segments outside trials
+  int64_t segment_bytes = 8 << 20;        // the torus's segments outside trials
   // Also tried, each where it cuts the class's buffers into another number of segments.
   std::vector<int64_t> alternative_segment_bytes;
   // The torus's one-shot form up to this size (0: it has none): a candidate beside the

@@ -29,13 +29,17 @@ ENV_TABLE = "TORCH_BIGBATCH_TORUS_TABLE"
 
 
 ALGORITHMS = ("auto", "torus", "flat")
-CPU_SEGMENT_BYTES = 2 << 20  # see TorusOptions.segment_bytes
+CPU_SEGMENT_BYTES = 8 << 20  # see TorusOptions.segment_bytes
 # The other segment sizes that "auto" tries, each where it cuts a buffer into another number of
-# segments: on the CPU, 16 MiB (on one host fewer segments cost less local work) and 512 KiB
-# (across emulated nodes at 1 Gbit/s the torus beat Gloo by 1.34-1.43x from 4 to 64 MiB with
-# it, against 1.18-1.41x with 2 MiB); on GPUs, NCCL's kernels overlap better with more, smaller
-# segments.
-ALTERNATIVE_SEGMENT_BYTES = {"cpu": (16 << 20, 512 << 10), "cuda": (4 << 20,)}
+# segments: on the CPU, 32 MiB (on one host fewer segments cost less local work and fewer
+# messages) and 2 MiB (more segments, for links that pipeline better); on GPUs, NCCL's kernels
+# overlap better with more, smaller segments. Measured on the CPU, forced torus against Gloo,
+# 2, 4, 8 and 16 MiB segments taking turns in one run: on one machine as 4x4 at 16 / 64 MiB
+# 0.69 / 0.69x, 0.77 / 0.89x, 0.81 / 1.05x, 0.90 / 1.05x (2x2: 0.83-0.90x with 2 MiB,
+# 0.87-0.98x with 8 MiB); across 2 emulated nodes x 2 on unlimited links at 4 / 16 / 64 MiB
+# 0.85 / 0.91 / 0.88x, 1.08 / 1.08 / 1.09x, 1.02 / 1.17 / 1.31x, 1.09 / 1.11 / 1.09x, and at
+# 1 Gbit/s 1.36-1.46x with every size (the link decides there, not the segments).
+ALTERNATIVE_SEGMENT_BYTES = {"cpu": (32 << 20, 2 << 20), "cuda": (4 << 20,)}
 
 
 @dataclasses.dataclass
@@ -63,8 +67,8 @@ class TorusOptions:
         save_torus_algorithm_table writes); rows without an algorithm are measured. None
         (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
     segment_bytes: large buffers are cut into segments of this size, and the phases of
-        consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (2 MiB,
-        between what one host and slow links prefer), DEFAULT_SEGMENT_BYTES for CUDA tensors
+        consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (8 MiB,
+        measured best or near it on one host and across emulated nodes), DEFAULT_SEGMENT_BYTES for CUDA tensors
         (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
         ALTERNATIVE_SEGMENT_BYTES.
     """
