@@ -5,6 +5,11 @@ import torch
 
 import torch_bigbatch  # noqa: F401  (registers the ops)
 
+# Every process a test starts (torchrun's workers, spawned ranks) prints its Python threads'
+# stacks if it crashes (SIGABRT, SIGSEGV): CI saw a training job's rank abort once with nothing
+# but "terminate called without an active exception".
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 CUDA = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

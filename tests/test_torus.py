@@ -536,7 +536,10 @@ def test_auto_measures_and_every_rank_agrees():
                     16 << 20: [8 << 20, 32 << 20, 2 << 20]}[row["max_bytes"]]
         assert [(c["algorithm"], c["segment_bytes"], c["one_shot"]) for c in candidates] == \
             [("flat", None, False)] + [("torus", size, size is None) for size in segments], row
-        fastest = min(candidates, key=lambda c: c["seconds"])
+        # The fastest torus, where it beats flat (the first candidate) by 5%; else flat.
+        fastest = min(candidates[1:], key=lambda c: c["seconds"])
+        if fastest["seconds"] >= 0.95 * candidates[0]["seconds"]:
+            fastest = candidates[0]
         assert [row[key] for key in ("algorithm", "segment_bytes", "one_shot")] == \
             [fastest[key] for key in ("algorithm", "segment_bytes", "one_shot")]
         assert all(0 < c["seconds"] < 10 for c in candidates), row

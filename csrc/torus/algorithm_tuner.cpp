@@ -17,6 +17,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How much faster than the flat allreduce a torus must be in trials to be chosen (see decide).
+constexpr double kFlatMargin = 0.05;
+
 // Sizes here are powers of two or segment sizes: whole units.
 std::string format_bytes(int64_t bytes) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -289,9 +292,13 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
                 describe_class(device, size_class), " failed: ",
                 message_of(std::current_exception()));
   }
+  // The flat allreduce (candidate 0, the engine's own) keeps the class unless a torus beats it
+  // by kFlatMargin: trials of four calls on a shared machine miss the steady state by up to a
+  // tenth, and a near tie taken by the torus ran 0.89x Gloo (2x4 at 16 MiB on one machine:
+  // flat 40.6 ms, torus 40.4 ms in trials).
   size_t fastest = 0;
   for (size_t i = 1; i < count; ++i)
-    if (best[i] < best[fastest]) fastest = i;
+    if (best[i] < (fastest == 0 ? best[0] * (1 - kFlatMargin) : best[fastest])) fastest = i;
   state.decided = state.candidates[fastest];
   state.seconds = best;
   state.source = "measured";
@@ -303,7 +310,8 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
                       format_milliseconds(best[i]));
   std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
             << state.decided->describe() << " (" << times
-            << ": the least over the ranks of each one's median of " << timed << " calls)"
+            << ": the least over the ranks of each one's median of " << timed
+            << " calls; the torus must beat flat by " << kFlatMargin * 100 << "%)"
             << std::endl;
 }
 
