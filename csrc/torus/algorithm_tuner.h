@@ -15,11 +15,11 @@
 // (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
 // the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state), the ranks
 // combine them with one small MIN allreduce of the whole CPU group, and every rank picks the
-// same fastest candidate. The least rank's time counts: a rank's time includes waiting for
-// the ranks that issue later (in a training step, their lag in the backward pass), and the
-// rank that issues last waits for nobody. From then on
-// the class runs it: a table lookup, no extra collective. The decision blocks its call once,
-// until the trials have ended (bounded by the group's timeout).
+// same fastest candidate (flat unless a torus beats it by 5%: see decide). The least rank's
+// time counts: a rank's time includes waiting for the ranks that issue later (in a training
+// step, their lag in the backward pass), and the rank that issues last waits for nobody. From
+// then on the class runs it: a table lookup, no extra collective. The decision blocks its call
+// once, until the trials have ended (bounded by the group's timeout).
 //
 // Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
 // the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.

@@ -38,7 +38,7 @@ CPU_SEGMENT_BYTES = 8 << 20  # see TorusOptions.segment_bytes
 # 0.69 / 0.69x, 0.77 / 0.89x, 0.81 / 1.05x, 0.90 / 1.05x (2x2: 0.83-0.90x with 2 MiB,
 # 0.87-0.98x with 8 MiB); across 2 emulated nodes x 2 on unlimited links at 4 / 16 / 64 MiB
 # 0.85 / 0.91 / 0.88x, 1.08 / 1.08 / 1.09x, 1.02 / 1.17 / 1.31x, 1.09 / 1.11 / 1.09x, and at
-# 1 Gbit/s 1.36-1.46x with every size (the link decides there, not the segments).
+# 1 Gbit/s 1.23-1.47x with every size (the link decides there; the spread is between runs).
 ALTERNATIVE_SEGMENT_BYTES = {"cpu": (32 << 20, 2 << 20), "cuda": (4 << 20,)}
 
 
@@ -56,10 +56,11 @@ class TorusOptions:
         (with other segment sizes where that matters, and on CPU tensors up to 256 KiB also in
         its one-shot form, two whole-buffer exchanges), the ranks agree on the least of their
         times (that of the rank that issues last, which waits for nobody), and the class runs
-        the fastest from then on (a log line on rank 0 says which; torus_algorithm_table()
-        lists them). None (default): the TORCH_BIGBATCH_TORUS_ALGORITHM
-        environment variable, else "auto". The algorithms may differ in the last bits of a
-        float sum: a run that must repeat bit for bit fixes the algorithm or pins a table.
+        the fastest from then on, flat unless a torus beats it by 5% (a log line on rank 0 says
+        which; torus_algorithm_table() lists them). None (default): the
+        TORCH_BIGBATCH_TORUS_ALGORITHM environment variable, else "auto". The algorithms may
+        differ in the last bits of a float sum: a run that must repeat bit for bit fixes the
+        algorithm or pins a table.
     torus_max_bytes: with "auto", a fixed rule instead of measuring: the torus for buffers of at
         most this many bytes, the flat allreduce above.
     table: with "auto", classes whose choice is pinned rather than measured: the rows of
@@ -68,8 +69,8 @@ class TorusOptions:
         (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
     segment_bytes: large buffers are cut into segments of this size, and the phases of
         consecutive segments overlap. None (default): CPU_SEGMENT_BYTES for CPU tensors (8 MiB,
-        measured best or near it on one host and across emulated nodes), DEFAULT_SEGMENT_BYTES for CUDA tensors
-        (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
+        measured best or near it on one host and across emulated nodes), DEFAULT_SEGMENT_BYTES
+        for CUDA tensors (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
         ALTERNATIVE_SEGMENT_BYTES.
     """
 
@@ -212,8 +213,8 @@ def _gloo_devices(store, rank, size):
     the others (see _gloo_address). One device for all of them: each device runs an event-loop
     thread, and with one per group (five) the loops' wake-ups cost CPU time (as 4x4 on this
     2-core machine, sharing one took the forced torus from 0.62-0.70x to 0.73-0.80x Gloo at
-    16-64 MiB and its CPU time from 1.49-1.66x to 1.28-1.39x Gloo's). Gloo's device serves
-    many contexts, as torch's own subgroups could share one."""
+    16-64 MiB and its CPU time from 1.49-1.66x to 1.28-1.39x Gloo's). A Gloo device serves
+    any number of contexts (Caffe2 shared one among all of its Gloo worlds)."""
     interfaces = os.environ.get("GLOO_SOCKET_IFNAME")
     if interfaces:
         return ([dist.ProcessGroupGloo.create_device(interface=name)
@@ -225,10 +226,10 @@ def _gloo_devices(store, rank, size):
     return [dist.ProcessGroupGloo.create_default_device()], "the address of the hostname"
 
 
-def _gloo_group(devices, store, rank, size, timeout, threads):
-    """A Gloo group on `devices` (see _gloo_devices: the devices and where they bind)."""
+def _gloo_group(binding, store, rank, size, timeout, threads):
+    """A Gloo group on `binding`: _gloo_devices' devices and where they bind."""
     options = dist.ProcessGroupGloo._Options()
-    options._devices, where = devices
+    options._devices, where = binding
     options._threads = threads
     options._timeout = timeout
     try:
@@ -307,8 +308,8 @@ def create_torus_backend(backend_options, pg_options=None):
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
     columns, rows = _agree_on_shape(store, rank, size,
                                     lambda: resolve_shape(size, options.shape, world))
-    devices = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
-    cpu = _engines(functools.partial(_gloo_group, devices), store, "cpu", rank, columns, rows,
+    binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
+    cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
