@@ -23,9 +23,11 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import faulthandler
 import importlib.util
 import math
 import os
+import signal
 import sys
 import time
 
@@ -530,6 +532,10 @@ def describe_backend():
 
 
 def main(args):
+    # With PYTHONFAULTHANDLER=1 (as the tests run it), a rank that torchrun stops (SIGTERM,
+    # after another rank failed) prints where each of its threads was, as a crashing one does.
+    if faulthandler.is_enabled():
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         setup = Setup(args)
     except ValueError as error:  # one message, from rank 0, before any process group

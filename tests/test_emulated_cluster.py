@@ -67,7 +67,7 @@ def run_on_one_host(args, env, timeout=240):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-12000:]
 
 
 def parameters(output):

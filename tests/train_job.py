@@ -34,7 +34,7 @@ def torchrun(args, processes=2, timeout=180):
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env=environment())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-12000:]
     return result.stdout
 
 
