@@ -232,19 +232,28 @@ def global_batches(steps, batch):
              torch.randint(0, 10, (batch,), generator=generator)) for _ in range(steps)]
 
 
-def ddp_training(rank, world_size, port):
-    # Small buckets, so DDP issues several allreduces that overlap the backward pass.
-    init(rank, world_size, port, TorusOptions(segment_bytes=256))
+def ddp_replicas(rank, world_size, steps, batch=16):
+    """(group name, the group, a copy of one initial SmallConvNet) for the torus and for Gloo,
+    and this rank's share of each step's global batch."""
     gloo = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     reference = SmallConvNet().double()
-    steps, batch = 4, 16
-    shard = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
-    batches = [(x[shard], y[shard]) for x, y in global_batches(steps, batch)]
-    result = {}
-    for name, group in (("torus", None), ("gloo", gloo)):
+    replicas = []
+    for name, group in (("torus", dist.group.WORLD), ("gloo", gloo)):
         model = SmallConvNet().double()
         model.load_state_dict(reference.state_dict())
+        replicas.append((name, group, model))
+    shard = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
+    return replicas, [(x[shard], y[shard]) for x, y in global_batches(steps, batch)]
+
+
+def ddp_training(rank, world_size, port):
+    # Small buckets, so DDP issues several allreduces that overlap the backward pass.
+    init(rank, world_size, port, TorusOptions(segment_bytes=256))
+    steps = 4
+    replicas, batches = ddp_replicas(rank, world_size, steps)
+    result = {}
+    for name, group, model in replicas:
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
                                                         bucket_cap_mb=0.001)
         result[name] = train(ddp, batches, steps).tolist()  # tensors cannot outlive the rank
@@ -265,6 +274,58 @@ def test_ddp_matches_gloo_and_one_process():
         torch.testing.assert_close(torus, whole_batch, rtol=1e-6, atol=1e-6,
                                    msg=f"rank {rank}: torus vs one process")
     assert (whole_batch - initial).abs().max() > 1e-3  # the steps moved the parameters
+
+
+def powersgd_training(rank, world_size, port):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    init(rank, world_size, port, TorusOptions(algorithm="torus"), seconds=20)
+    steps = 5
+    replicas, batches = ddp_replicas(rank, world_size, steps)
+    result = {}
+    for name, group, model in replicas:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2, min_compression_rate=0.5)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        result[name] = train(ddp, batches, steps).tolist()
+    result["allreduces"] = torus_allreduce_counts()
+    return result
+
+
+def allreduce_in_a_callback(rank, world_size, port):
+    init(rank, world_size, port, TorusOptions(algorithm="torus"), seconds=20)
+    big = torch.full((4_000_000,), float(rank + 1))  # still running when the callback is added
+    small = torch.full((1000,), float(rank + 1))
+
+    def next_allreduce(future):
+        dist.all_reduce(small, async_op=True).get_future().wait()
+        return small.sum().item()
+
+    chained = dist.all_reduce(big, async_op=True).get_future().then(next_allreduce)
+    return chained.wait(), big[0].item(), big[-1].item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_callback_may_wait_for_another_allreduce(world_size):
+    # As PowerSGD's hook does: a call's callbacks must not run on a thread the next call needs.
+    total = world_size * (world_size + 1) / 2
+    for result in run_ranks(allreduce_in_a_callback, world_size, deadline=60):
+        assert result == (1000 * total, total, total)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_with_powersgd_hook_matches_gloo(world_size):
+    results = run_ranks(powersgd_training, world_size, deadline=90)
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().flatten() for p in SmallConvNet().double().parameters()])
+    for rank, result in enumerate(results):
+        torus = torch.tensor(result["torus"], dtype=torch.float64)
+        gloo = torch.tensor(result["gloo"], dtype=torch.float64)
+        torch.testing.assert_close(torus, gloo, rtol=1e-9, atol=1e-9,
+                                   msg=f"rank {rank}: torus vs gloo")
+        assert (torus - initial).abs().max() > 1e-3
+        # 2 plain steps, then 3 of PowerSGD's: the uncompressed tensors, P and Q, each.
+        assert result["allreduces"] == {"cpu torus": 2 + 3 * 3}
 
 
 def size_mismatch(rank, world_size, port):

@@ -1,6 +1,5 @@
 #include "torus/stream_work.h"
 
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -40,15 +39,10 @@ std::exception_ptr PipelineContext::phase_timed_out(Phase phase, int64_t segment
 StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
                        std::vector<at::Tensor> outputs, DeviceWork device_work,
                        c10::Stream completion)
-    : c10d::Work(context->shape.rank, op_type, "torus", outputs),
+    : TorusWork(context->shape.rank, op_type, std::move(outputs), completion),
       context_(std::move(context)),
-      outputs_(std::move(outputs)),
       device_work_(std::move(device_work)),
-      completion_(completion),
-      deadline_(Clock::now() + context_->timeout),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()),
-          std::vector<c10::Device>{outputs_.front().device()})) {}
+      deadline_(Clock::now() + context_->timeout) {}
 
 void StreamWork::poll() {
   // Queried first: an error that ended a phase early is visible by the time the event is.
@@ -60,22 +54,10 @@ void StreamWork::poll() {
   if (Clock::now() >= deadline_) fail(timed_out(context_->timeout));
 }
 
-void StreamWork::complete() {
-  if (settled_.exchange(true)) return;
-  {
-    // The device is done with the result, so the future's events go on a stream that carries
-    // none of the pipeline's work: they tie a consumer to no later allreduce.
-    c10::StreamGuard on_completion(completion_);
-    future_->markCompleted(c10::IValue(outputs_));
-  }
-  finish();
-}
-
 void StreamWork::fail(const std::exception_ptr& error) {
-  if (settled_.exchange(true)) return;
+  if (!claim()) return;
   context_->record_failure(error);  // before the future's callbacks can issue another allreduce
-  future_->setError(error);
-  finish(error);
+  end(error);
 }
 
 bool StreamWork::device_done() const {
@@ -88,6 +70,7 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
     lock.unlock();
     fail(timed_out(timeout));  // nothing happens if the watcher has just settled it
     lock.lock();
+    cv_.wait(lock, [this] { return completed_; });  // it ends on the pool (TorusWork::end)
   }
   std::exception_ptr error = exception_;
   lock.unlock();

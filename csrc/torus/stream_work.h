@@ -5,6 +5,7 @@
 #pragma once
 
 #include "torus/topology.h"
+#include "torus/torus_work.h"
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/Event.h>
@@ -70,9 +71,11 @@ struct DeviceWork {
   c10::Event done;  // recorded after every phase, the division of AVG and the copy back
 };
 
-class StreamWork : public c10d::Work {
+class StreamWork : public TorusWork {
  public:
-  // `completion`: a stream of the outputs' device that carries none of the pipeline's work.
+  // `completion`: a stream of the outputs' device that carries none of the pipeline's work
+  // (the device is done with the result then: the future's events tie a consumer to no later
+  // allreduce).
   StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
              std::vector<at::Tensor> outputs, DeviceWork device_work, c10::Stream completion);
 
@@ -81,8 +84,7 @@ class StreamWork : public c10d::Work {
   // deadline has passed.
   void poll();
   c10::Device device() const { return outputs_.front().device(); }
-  void fail(const std::exception_ptr& error);  // unless it is settled already
-  bool settled() const { return settled_; }
+  void fail(const std::exception_ptr& error) override;  // unless it is settled already
   bool device_done() const;  // the device no longer uses its tensors (even after a failure)
 
   // As ProcessGroupNCCL's Work: wait() makes the current stream wait for the result and raises
@@ -90,25 +92,18 @@ class StreamWork : public c10d::Work {
   // timeout has passed (then the work fails, naming the phase it waits for).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;  // the current stream waits for the result
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  private:
   using Clock = std::chrono::steady_clock;
 
-  void complete();
   const PhaseWork* first_phase(bool (*matches)(c10d::Work&)) const;
   std::exception_ptr disagreement();  // once the comparison has arrived; watcher thread only
   std::exception_ptr failed_phase() const;
   std::exception_ptr timed_out(std::chrono::milliseconds after) const;
 
   const std::shared_ptr<PipelineContext> context_;
-  const std::vector<at::Tensor> outputs_;
   const DeviceWork device_work_;
-  const c10::Stream completion_;
   const Clock::time_point deadline_;
-  const c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::atomic<bool> settled_{false};  // completed or failed: the first of the two wins
   bool agreement_read_ = false;
 };
 
