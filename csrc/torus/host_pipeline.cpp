@@ -88,6 +88,10 @@ struct HostPipeline::Context {
   // Held while posting to an engine: the calling thread and the phase threads post to the same
   // process groups, and ProcessGroupGloo counts its calls in a plain integer (seq_).
   mutable std::mutex posting;
+  // Held while a call posts its segments: calls from several threads (a DDP hook's callbacks
+  // issue some) then post one after another. Gloo pairs the messages of a peer and tag in
+  // the order they were posted, so interleaved calls would pair one call's part with another's.
+  std::mutex issuing;
   std::mutex mutex;
   std::exception_ptr failure;  // the first one: the backend is unusable after it
 
@@ -620,6 +624,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
                                                        int64_t segment_bytes, bool one_shot) {
   TORCH_CHECK(one_shot || segment_bytes > 0, "torus: segment_bytes must be positive, got ",
               segment_bytes);
+  std::lock_guard<std::mutex> issuing(context_->issuing);
   if (const std::exception_ptr failure = context_->first_failure()) {
     try {
       std::rethrow_exception(failure);
