@@ -57,9 +57,17 @@ void describe_choice(const std::optional<Choice>& choice, py::dict& row) {
   row["one_shot"] = torus && choice->one_shot;
 }
 
+// The tuner holds its lock while a size class's trials end, and their futures' callbacks may
+// need the GIL: a reader of the tuner waits for that lock without it.
+template <typename Read>
+auto without_gil(Read read) {
+  py::gil_scoped_release no_gil;
+  return read();
+}
+
 py::list algorithm_table(const TorusBackend& self) {
   py::list rows;
-  for (const TableRow& entry : self.tuner().table()) {
+  for (const TableRow& entry : without_gil([&] { return self.tuner().table(); })) {
     py::dict row;
     row["device"] = c10::DeviceTypeName(entry.device, /*lower_case=*/true);
     row["min_bytes"] = entry.size_class == 0 ? 0 : (int64_t(1) << (entry.size_class - 1)) + 1;
@@ -127,13 +135,17 @@ void bind_torus(py::module& m) {
           "chosen_algorithm",
           [](const TorusBackend& self, const std::string& device, int64_t bytes) {
             py::dict row;
-            describe_choice(self.tuner().chosen(c10::Device(device).type(), bytes), row);
+            const c10::DeviceType type = c10::Device(device).type();
+            describe_choice(without_gil([&] { return self.tuner().chosen(type, bytes); }), row);
             return row;
           },
           "What an allreduce of `bytes` on `device` tensors runs: {'algorithm': 'flat' or "
           "'torus' or None (still measuring), 'segment_bytes': ..., 'one_shot': ...}")
       .def(
-          "allreduce_counts", [](const TorusBackend& self) { return self.tuner().counts(); },
+          "allreduce_counts",
+          [](const TorusBackend& self) {
+            return without_gil([&] { return self.tuner().counts(); });
+          },
           "Allreduces run per device type and algorithm: {'cpu torus': 12, ...}");
 }
 
