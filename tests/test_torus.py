@@ -516,6 +516,26 @@ def test_ranks_that_disagree_on_the_shape_all_fail_at_once():
     assert time.monotonic() - start < 20, "they failed only at the timeout"
 
 
+def settings_from_the_environment(rank, world_size, port):
+    if rank == 2:
+        os.environ["TORCH_BIGBATCH_TORUS_ALGORITHM"] = "flat"
+    try:
+        init(rank, world_size, port, seconds=20)
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_the_algorithm_all_fail_at_once():
+    # Else rank 2 would run Gloo's allreduce on the whole group where the others run the torus.
+    start = time.monotonic()
+    for message in run_ranks(settings_from_the_environment, 4, deadline=60):
+        assert message is not None and "disagree on its settings" in message, message
+        assert "rank 0 algorithm=auto " in message and "rank 2 algorithm=flat " in message, message
+        assert "rank 1" not in message and "rank 3" not in message, message
+    assert time.monotonic() - start < 20, "they failed only at the timeout"
+
+
 def algorithm_choice(rank, world_size, port):
     init(rank, world_size, port)
     groups = {name: dist.new_group(backend="torus", pg_options=TorusOptions(algorithm=name))

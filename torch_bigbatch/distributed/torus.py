@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import ipaddress
 import json
 import math
@@ -267,6 +268,19 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
     return _C.TorusEngines(whole, row_scatter, column, gather, row_gather)
 
 
+def _compare(store, rank, size, key, spec):
+    """Every rank's `spec` (a string) against rank 0's: "agreed", or rank 0's and those of the
+    ranks that differ from it."""
+    store.set(f"{key}/{rank}", spec)
+    if rank == 0:
+        specs = [store.get(f"{key}/{other}").decode() for other in range(size)]
+        differing = [f"rank {other} {spec}" for other, spec in enumerate(specs)
+                     if spec != specs[0]]
+        store.set(f"{key}/verdict", "; ".join([f"rank 0 {specs[0]}"] + differing)
+                  if differing else "agreed")
+    return store.get(f"{key}/verdict").decode()
+
+
 def _agree_on_shape(store, rank, size, resolve):
     """The shape from `resolve()`, checked against every rank's. Ranks that disagree on the
     shape (say, TORCH_BIGBATCH_TORUS or LOCAL_WORLD_SIZE set differently) all fail at once with
@@ -276,21 +290,30 @@ def _agree_on_shape(store, rank, size, resolve):
     except ValueError as error:
         shape, problem = None, error
     spec = "x".join(map(str, shape)) if shape else f"none ({problem})"
-    store.set(f"shape/{rank}", spec)
-    if rank == 0:
-        shapes = [store.get(f"shape/{other}").decode() for other in range(size)]
-        differing = [f"rank {other} {spec}" for other, spec in enumerate(shapes)
-                     if spec != shapes[0]]
-        store.set("shape/verdict", "; ".join([f"rank 0 {shapes[0]}"] + differing)
-                  if differing else "agreed")
-    verdict = store.get("shape/verdict").decode()
+    verdict = _compare(store, rank, size, "shape", spec)
     if problem is not None:
         raise problem
-    if not verdict.startswith("agreed"):
+    if verdict != "agreed":
         raise ValueError(f"the ranks of a torus group disagree on its shape ({verdict}): set "
                          "TORCH_BIGBATCH_TORUS, TorusOptions.shape or LOCAL_WORLD_SIZE alike "
                          "on every rank")
     return shape
+
+
+def _agree_on_settings(store, rank, size, options):
+    """Ranks whose algorithm, segments or pinned table differ would post different messages
+    (one the flat allreduce, another the torus's phases; segments of other lengths): they all
+    fail at once, naming what each passed."""
+    table = "none"
+    if options.table:
+        table = hashlib.sha1(json.dumps(options.table).encode()).hexdigest()[:12]
+    spec = (f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
+            f"segment_bytes={options.segment_bytes} table={table}")
+    verdict = _compare(store, rank, size, "settings", spec)
+    if verdict != "agreed":
+        raise ValueError(f"the ranks of a torus group disagree on its settings ({verdict}): "
+                         "pass the same TorusOptions and set TORCH_BIGBATCH_TORUS_ALGORITHM and "
+                         "TORCH_BIGBATCH_TORUS_TABLE alike on every rank")
 
 
 def create_torus_backend(backend_options, pg_options=None):
@@ -308,6 +331,7 @@ def create_torus_backend(backend_options, pg_options=None):
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
     columns, rows = _agree_on_shape(store, rank, size,
                                     lambda: resolve_shape(size, options.shape, world))
+    _agree_on_settings(store, rank, size, options)
     binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
