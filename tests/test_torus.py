@@ -499,8 +499,8 @@ def test_integer_average_on_one_rank_is_an_error_not_an_abort():
     assert numbers == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
-def shapes_from_the_environment(rank, world_size, port):
-    os.environ["TORCH_BIGBATCH_TORUS"] = "2x2" if rank != 2 else "4x1"
+def environment_that_differs_on_rank_2(rank, world_size, port, variable, values):
+    os.environ[variable] = values[rank == 2]
     try:
         init(rank, world_size, port, seconds=20)
     except ValueError as error:
@@ -508,30 +508,18 @@ def shapes_from_the_environment(rank, world_size, port):
 
 
 @pytest.mark.slow
-def test_ranks_that_disagree_on_the_shape_all_fail_at_once():
-    start = time.monotonic()
-    for message in run_ranks(shapes_from_the_environment, 4, deadline=60):
-        assert message is not None and "disagree on its shape" in message, message
-        assert "rank 0 2x2" in message and "rank 2 4x1" in message, message
-    assert time.monotonic() - start < 20, "they failed only at the timeout"
-
-
-def settings_from_the_environment(rank, world_size, port):
-    if rank == 2:
-        os.environ["TORCH_BIGBATCH_TORUS_ALGORITHM"] = "flat"
-    try:
-        init(rank, world_size, port, seconds=20)
-    except ValueError as error:
-        return str(error)
-
-
-@pytest.mark.slow
-def test_ranks_that_disagree_on_the_algorithm_all_fail_at_once():
+@pytest.mark.parametrize("variable, values, what, expected", [
+    ("TORCH_BIGBATCH_TORUS", ("2x2", "4x1"), "shape", ("rank 0 2x2", "rank 2 4x1")),
     # Else rank 2 would run Gloo's allreduce on the whole group where the others run the torus.
+    ("TORCH_BIGBATCH_TORUS_ALGORITHM", ("auto", "flat"), "settings",
+     ("rank 0 algorithm=auto ", "rank 2 algorithm=flat ")),
+])
+def test_ranks_that_disagree_all_fail_at_once(variable, values, what, expected):
     start = time.monotonic()
-    for message in run_ranks(settings_from_the_environment, 4, deadline=60):
-        assert message is not None and "disagree on its settings" in message, message
-        assert "rank 0 algorithm=auto " in message and "rank 2 algorithm=flat " in message, message
+    for message in run_ranks(environment_that_differs_on_rank_2, 4, variable, values,
+                             deadline=60):
+        assert message is not None and f"disagree on its {what}" in message, message
+        assert all(part in message for part in expected), message
         assert "rank 1" not in message and "rank 3" not in message, message
     assert time.monotonic() - start < 20, "they failed only at the timeout"
 
