@@ -462,6 +462,15 @@ def bool_and_integer_ops(rank, world_size, port, algorithm):
         else:
             dist.all_reduce(expected, op=getattr(dist.ReduceOp, op), group=gloo)
         results[op] = (mine.tolist(), expected.tolist())
+    strided = torch.stack([flags, ~flags], 1)[:, 0]  # a view with stride 2
+    expected = strided.contiguous()
+    dist.all_reduce(strided, op=dist.ReduceOp.MAX)
+    dist.all_reduce(expected, op=dist.ReduceOp.MAX, group=gloo)
+    results["MAX strided"] = (strided.tolist(), expected.tolist())
+    # What the Work hands back is the caller's tensor, as Gloo's is: bool, not its bytes.
+    work = dist.all_reduce(flags.clone(), op=dist.ReduceOp.MAX, async_op=True)
+    work.wait()
+    results["result dtypes"] = [str(t.dtype) for t in work.result() + work.get_future().value()]
     try:
         dist.all_reduce(torch.arange(5), op=dist.ReduceOp.AVG)
     except (RuntimeError, ValueError) as error:
@@ -473,6 +482,7 @@ def bool_and_integer_ops(rank, world_size, port, algorithm):
 @pytest.mark.slow
 def test_bool_tensors_as_gloo_and_integer_average_refused(algorithm):
     for results in run_ranks(bool_and_integer_ops, 4, algorithm):
+        assert results.pop("result dtypes") == ["torch.bool"] * 2
         for op, (mine, expected) in ((op, v) for op, v in results.items() if op != "AVG int64"):
             assert mine == expected, op
         assert "ReduceOp.AVG needs a floating-point tensor, got Long" in results["AVG int64"]

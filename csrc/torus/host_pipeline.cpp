@@ -636,6 +636,10 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   auto call = std::make_shared<Call>();
   call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs);
   call->buffer = FlatBuffer(std::move(inputs), 1);
+  // Gloo reduces no bool: its bytes, with the op the caller chose for them (the Work keeps the
+  // caller's bool tensors, as Gloo's does).
+  if (call->buffer.flat.scalar_type() == at::kBool)
+    call->buffer.flat = call->buffer.flat.view(at::kByte);
   call->op = op;
   call->numel = call->buffer.flat.numel();
   call->kind = call_kind(call->buffer.flat.scalar_type(), op);

@@ -172,13 +172,9 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::
   const at::ScalarType dtype = tensors.front().scalar_type();
   if (tensors.front().device().is_cpu()) {
     TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
-    if (dtype == at::kBool) {  // as bytes of 0 and 1: any (SUM, MAX, BOR) or all (the rest)
-      for (auto& tensor : tensors) tensor = tensor.view(at::kByte);
-      return host_->allreduce(std::move(tensors), bool_as_byte_op(op), op_type,
-                              choice.segment_bytes, choice.one_shot);
-    }
-    return host_->allreduce(std::move(tensors), op, op_type, choice.segment_bytes,
-                            choice.one_shot);
+    // bool reduces as bytes of 0 and 1 (HostPipeline): any (SUM, MAX, BOR) or all (the rest).
+    return host_->allreduce(std::move(tensors), dtype == at::kBool ? bool_as_byte_op(op) : op,
+                            op_type, choice.segment_bytes, choice.one_shot);
   }
   TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
   TORCH_INTERNAL_ASSERT(!choice.one_shot, "the stream pipeline has no one-shot form");
