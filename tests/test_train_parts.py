@@ -1,6 +1,7 @@
 """Parts of examples/train_resnet50.py, in this process: where a run starts and stops (RunSpan),
 and the one data loader of in-memory tensors and of datasets of single samples."""
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -65,6 +66,25 @@ def test_the_same_loader_stacks_a_dataset_of_single_samples():
     loader = train.data_loader(Samples(), [[4, 1, 2], [0, 5, 3]], CPU, SimpleNamespace(workers=0))
     for (x, y), indices in zip(loader, [[4, 1, 2], [0, 5, 3]], strict=True):
         assert torch.equal(x, images[indices]) and torch.equal(y, labels[indices])
+
+
+class ReaderPids(torch.utils.data.Dataset):
+    """Each sample: the process that read it and that process's parent."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.tensor([os.getpid(), os.getppid()])
+
+
+def test_loader_workers_are_not_forks_of_the_training_process():
+    # A fork of a process whose Gloo threads take Python thread states can hang in the child
+    # (Python before 3.11.10): the workers come from a forkserver.
+    loader = train.data_loader(ReaderPids(), [[0], [1]], CPU, SimpleNamespace(workers=2))
+    readers = torch.cat(list(loader)).tolist()
+    assert len(readers) == 2 and loader.num_workers == 2
+    assert all(reader != os.getpid() and parent != os.getpid() for reader, parent in readers)
 
 
 def test_loader_workers_per_rank_fit_the_cores(monkeypatch):

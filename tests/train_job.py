@@ -1,7 +1,7 @@
 """How the tests run examples/train_resnet50.py: imported (its parser, checks and parts, in this
 process), under torchrun, or as one rank of a job in a plain process."""
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -16,10 +16,11 @@ TINY = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-per-rank",
 
 
 def import_script():
-    spec = importlib.util.spec_from_file_location("train_resnet50", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script as the module train_resnet50, found by name as loader workers find it when
+    they unpickle its functions."""
+    if os.path.dirname(SCRIPT) not in sys.path:
+        sys.path.append(os.path.dirname(SCRIPT))
+    return importlib.import_module("train_resnet50")
 
 
 def environment(**variables):
