@@ -467,6 +467,14 @@ def bool_and_integer_ops(rank, world_size, port, algorithm):
     dist.all_reduce(strided, op=dist.ReduceOp.MAX)
     dist.all_reduce(expected, op=dist.ReduceOp.MAX, group=gloo)
     results["MAX strided"] = (strided.tolist(), expected.tolist())
+    # One element (the other ranks' parts of it are empty) and none.
+    one, expected = torch.tensor([rank == 1]), torch.tensor([rank == 1])
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    dist.all_reduce(expected, op=dist.ReduceOp.MAX, group=gloo)
+    results["MAX one element"] = (one.tolist(), expected.tolist())
+    empty = torch.empty(0, dtype=torch.bool)
+    dist.all_reduce(empty, op=dist.ReduceOp.MAX)
+    results["MAX empty"] = (empty.tolist(), [])
     # What the Work hands back is the caller's tensor, as Gloo's is: bool, not its bytes.
     work = dist.all_reduce(flags.clone(), op=dist.ReduceOp.MAX, async_op=True)
     work.wait()
