@@ -292,7 +292,9 @@ def powersgd_training(rank, world_size, port):
     return result
 
 
-def allreduce_in_a_callback(rank, world_size, port):
+def allreduce_in_a_callback(rank, world_size, port, interop_threads):
+    if interop_threads:
+        torch.set_num_interop_threads(interop_threads)
     init(rank, world_size, port, TorusOptions(algorithm="torus"), seconds=20)
     big = torch.full((4_000_000,), float(rank + 1))  # still running when the callback is added
     small = torch.full((1000,), float(rank + 1))
@@ -305,11 +307,13 @@ def allreduce_in_a_callback(rank, world_size, port):
     return chained.wait(), big[0].item(), big[-1].item()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_a_callback_may_wait_for_another_allreduce(world_size):
-    # As PowerSGD's hook does: a call's callbacks must not run on a thread the next call needs.
+@pytest.mark.parametrize("world_size, interop_threads", [(2, None), (4, None), (2, 1)])
+def test_a_callback_may_wait_for_another_allreduce(world_size, interop_threads):
+    # As PowerSGD's hook does: a call's callbacks must not run on a thread the next call needs,
+    # nor hold the last free thread of a pool it needs (torch's inter-op pool has one thread
+    # after set_num_interop_threads(1)).
     total = world_size * (world_size + 1) / 2
-    for result in run_ranks(allreduce_in_a_callback, world_size, deadline=60):
+    for result in run_ranks(allreduce_in_a_callback, world_size, interop_threads, deadline=60):
         assert result == (1000 * total, total, total)
 
 

@@ -70,7 +70,7 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
     lock.unlock();
     fail(timed_out(timeout));  // nothing happens if the watcher has just settled it
     lock.lock();
-    cv_.wait(lock, [this] { return completed_; });  // it ends on the pool (TorusWork::end)
+    cv_.wait(lock, [this] { return completed_; });  // TorusWork::end
   }
   std::exception_ptr error = exception_;
   lock.unlock();

@@ -1,6 +1,7 @@
 #include "torus/torus_work.h"
 
-#include <ATen/Parallel.h>
+#include "torus/callback_threads.h"
+
 #include <c10/core/StreamGuard.h>
 
 namespace torch_bigbatch::torus {
@@ -31,7 +32,7 @@ void TorusWork::fail(const std::exception_ptr& error) {
 }
 
 void TorusWork::end(std::exception_ptr error) {
-  at::launch([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this),
+  run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this),
               error = std::move(error)] {
     std::optional<c10::StreamGuard> on_completion;
     if (self->completion_) on_completion.emplace(*self->completion_);

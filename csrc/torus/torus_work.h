@@ -21,8 +21,8 @@ class TorusWork : public c10d::Work {
             std::optional<c10::Stream> completion = std::nullopt);
 
   // The first of complete() and fail() settles the Work (a later failure of the backend finds
-  // it done). Either returns at once: the Work ends on torch's inter-op thread pool
-  // (at::launch), where its future's callbacks run, never on the thread that saw the
+  // it done). Either returns at once: the Work ends on a callback thread
+  // (callback_threads.h), where its future's callbacks run, never on the thread that saw the
   // collective end. A callback may wait for another collective (PowerSGD's DDP hook does),
   // and on a thread of the torus it would wait for that very thread, for ever.
   void complete();
@@ -34,7 +34,7 @@ class TorusWork : public c10d::Work {
 
  protected:
   bool claim() { return !settled_.exchange(true); }  // true for the first caller only
-  void end(std::exception_ptr error);                // after claim(): on the pool
+  void end(std::exception_ptr error);                // after claim(): on a callback thread
 
   const std::vector<at::Tensor> outputs_;
 
