@@ -393,6 +393,40 @@ def test_killed_rank_ends_in_errors_within_timeout(collective):
         assert f"(rank {rank} at x={rank % 2}, y={rank // 2} of a 2x2 torus)" in message, message
 
 
+def silent_rank(rank, world_size, port):
+    """Rank 3 stays alive and connected but issues nothing; the others queue two allreduces
+    of many segments each and wait for both."""
+    init(rank, world_size, port, TorusOptions(algorithm="torus", segment_bytes=SMALL_SEGMENTS),
+         seconds=3)
+    dist.all_reduce(torch.ones(10))  # every group is connected
+    if rank == 3:
+        time.sleep(20)  # past every other rank's end: alive, silent
+        return None
+    start = time.monotonic()
+    works = [dist.all_reduce(torch.ones(1 << 20), async_op=True) for _ in range(2)]
+    ends = []
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError:
+            ends.append(time.monotonic() - start)
+        else:
+            ends.append(None)
+    return ends
+
+
+@pytest.mark.slow
+def test_queued_allreduces_fail_within_one_timeout_of_a_silent_peer():
+    """A peer that is alive but silent (stuck, not dead: no connection breaks) ends every
+    queued call within one timeout: each phase thread holds 128 segments' exchanges here, and
+    one timeout each would take minutes (Gloo fails a context's pending exchanges with its
+    first timeout, and a phase's exchanges all ride one context)."""
+    outcomes = run_ranks(silent_rank, 4, deadline=60)
+    for rank, ends in enumerate(outcomes[:3]):
+        assert None not in ends, f"rank {rank} got a result despite the silent peer: {ends}"
+        assert max(ends) < 3 + 3, f"rank {rank}'s calls failed after {ends} s (timeout 3 s)"
+
+
 @pytest.mark.slow
 def test_size_mismatch_ends_every_rank_within_timeout():
     """Gloo's transport aborts a process that receives more bytes than it posted (plain Gloo
