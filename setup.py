@@ -5,6 +5,7 @@ rather than building a package whose ops have no CUDA kernels; TORCH_BIGBATCH_CP
 for the CPU half alone."""
 
 import glob
+import importlib.util
 import os
 import platform
 import re
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 from collections import Counter
 
+import setuptools
 import torch
 from setuptools import find_packages, setup
 
@@ -19,6 +21,25 @@ CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # The GPUs we target (A100, H100), and PTX that newer ones compile at load time. Used when the
 # user set no TORCH_CUDA_ARCH_LIST and no GPU is visible: torch finds no arch on its own then.
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def check_build_tools():
+    """`pip install --no-build-isolation` builds with this environment's setuptools, not with
+    what pyproject.toml asks for: an editable install needs setuptools >= 64 and a bdist_wheel
+    command (setuptools' own from 70.1, the wheel package's before; a Python 3.11 venv beside
+    torch 2.11 has setuptools 65.5 and no wheel). Say what to install, instead of setuptools'
+    "invalid command 'bdist_wheel'"."""
+    version = tuple(int(part) for part in re.findall(r"\d+", setuptools.__version__)[:2])
+    bdist_wheel = (importlib.util.find_spec("setuptools.command.bdist_wheel")
+                   or importlib.util.find_spec("wheel"))
+    if version < (64, 0):
+        missing, remedy = "setuptools>=64", "pip install 'setuptools>=64' wheel"
+    elif bdist_wheel is None:
+        missing, remedy = "the wheel package (or setuptools>=70.1)", "pip install wheel"
+    else:
+        return
+    raise SystemExit(f"torch_bigbatch: building needs {missing} in this environment, which has "
+                     f"setuptools {setuptools.__version__}: {remedy}, then install again")
 
 
 def sources(pattern):
@@ -143,6 +164,7 @@ def extension(cuda):
                          extra_compile_args=args, extra_link_args=["-fopenmp"])
 
 
+check_build_tools()
 CUDA = with_cuda()
 from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (reads CUDA_HOME)
 

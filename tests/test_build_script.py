@@ -1,0 +1,44 @@
+"""setup.py in an environment that cannot build the package: it stops before building, saying
+what to install (pip install --no-build-isolation uses the environment's setuptools as it is).
+An environment that can is every install of `make test`."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_setup_with(tmp_path, setuptools_version, wheel):
+    """setup.py egg_info with a stand-in setuptools of that version (no bdist_wheel of its own)
+    and a stand-in wheel package or none; its setup() ends the run if the build gets there."""
+    fake = tmp_path / "setuptools"
+    (fake / "command").mkdir(parents=True)
+    (fake / "command" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text(
+        f"__version__ = {setuptools_version!r}\n"
+        "def find_packages(**kwargs):\n    return []\n"
+        "def setup(**kwargs):\n    raise SystemExit('setup() was reached')\n")
+    if wheel:
+        (tmp_path / "wheel").mkdir()
+        (tmp_path / "wheel" / "__init__.py").write_text("")
+    hide_wheel = "" if wheel else "sys.modules['wheel'] = None; "  # whatever is installed here
+    code = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); {hide_wheel}"
+            "sys.argv = ['setup.py', 'egg_info']; runpy.run_path('setup.py')")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TORCH_BIGBATCH_CPU_ONLY": "1"})
+
+
+@pytest.mark.parametrize("version,wheel,named,remedy", [
+    ("63.2.0", True, "needs setuptools>=64", "pip install 'setuptools>=64' wheel"),
+    ("65.5.0", False, "needs the wheel package (or setuptools>=70.1)", "pip install wheel"),
+])
+def test_missing_build_tools_are_named_before_the_build(tmp_path, version, wheel, named, remedy):
+    result = run_setup_with(tmp_path, version, wheel)
+    assert result.returncode != 0
+    assert "setup() was reached" not in result.stderr
+    assert named in result.stderr and f"setuptools {version}" in result.stderr, result.stderr
+    assert remedy in result.stderr, result.stderr
+
