@@ -37,16 +37,18 @@ demo-cluster: install
 	OMP_NUM_THREADS=1 $(PYTHON) benchmarks/emulated_cluster.py --nodes 2 --nproc-per-node 2 \
 	  $(DEMO_JOB) --output runs/demo-cluster
 
-# Two environments: this Python's torch (the CPU wheel here: every test), then torch's CUDA
-# build in a venv with the package built there as README says, CUDA half included (the fast
-# subset and the tests marked cuda_build: tests/cuda_build_env.py; it skips, saying why, where
-# there is no nvcc or the wheels cannot be installed).
+# This Python's torch (the CPU wheel here: every test), then torch's CUDA builds in venvs with
+# the package built there as README says, CUDA half included: the newest torch reachable (the
+# fast subset and the tests marked cuda_build) and the oldest supported, the lent GPU machines'
+# (the tests marked cuda_build): tests/cuda_build_env.py; it skips, saying why, where there is
+# no nvcc or the wheels cannot be installed.
 test: install
 	$(PYTHON) -m pytest -q
 	$(MAKE) test-cuda-build
 
 test-cuda-build: $(FASHION_MNIST)
-	$(PYTHON) tests/cuda_build_env.py
+	$(PYTHON) tests/cuda_build_env.py --torch 2.14.1
+	$(PYTHON) tests/cuda_build_env.py --torch 2.11.0
 
 # On a lent GPU machine (the device tool's: its torch, CUDA and nvcc, 16 cores, no network):
 # `make test-gpu GPU_OUT=$$OUT` builds the package against that torch, then runs the fast subset
