@@ -11,6 +11,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from collections import Counter
 
 import setuptools
@@ -28,7 +29,9 @@ def check_build_tools():
     what pyproject.toml asks for: an editable install needs setuptools >= 64 and a bdist_wheel
     command (setuptools' own from 70.1, the wheel package's before; a Python 3.11 venv beside
     torch 2.11 has setuptools 65.5 and no wheel). Say what to install, instead of setuptools'
-    "invalid command 'bdist_wheel'"."""
+    "invalid command 'bdist_wheel'". `setup.py build_ext --inplace` needs neither."""
+    if not {"dist_info", "bdist_wheel", "editable_wheel"} & set(sys.argv):  # pip's commands
+        return
     version = tuple(int(part) for part in re.findall(r"\d+", setuptools.__version__)[:2])
     bdist_wheel = (importlib.util.find_spec("setuptools.command.bdist_wheel")
                    or importlib.util.find_spec("wheel"))

@@ -11,9 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_setup_with(tmp_path, setuptools_version, wheel):
-    """setup.py egg_info with a stand-in setuptools of that version (no bdist_wheel of its own)
-    and a stand-in wheel package or none; its setup() ends the run if the build gets there."""
+def run_setup_with(tmp_path, setuptools_version, wheel, command="dist_info"):
+    """setup.py `command` (dist_info: pip's first step) with a stand-in setuptools of that
+    version (no bdist_wheel of its own) and a stand-in wheel package or none; its setup() ends
+    the run if the build gets there."""
     fake = tmp_path / "setuptools"
     (fake / "command").mkdir(parents=True)
     (fake / "command" / "__init__.py").write_text("")
@@ -26,7 +27,7 @@ def run_setup_with(tmp_path, setuptools_version, wheel):
         (tmp_path / "wheel" / "__init__.py").write_text("")
     hide_wheel = "" if wheel else "sys.modules['wheel'] = None; "  # whatever is installed here
     code = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); {hide_wheel}"
-            "sys.argv = ['setup.py', 'egg_info']; runpy.run_path('setup.py')")
+            f"sys.argv = ['setup.py', {command!r}]; runpy.run_path('setup.py')")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TORCH_BIGBATCH_CPU_ONLY": "1"})
 
@@ -42,3 +43,9 @@ def test_missing_build_tools_are_named_before_the_build(tmp_path, version, wheel
     assert named in result.stderr and f"setuptools {version}" in result.stderr, result.stderr
     assert remedy in result.stderr, result.stderr
 
+
+
+def test_a_build_in_place_needs_no_wheel(tmp_path):
+    """`setup.py build_ext --inplace` (make gpu-build's fallback) builds no wheel: not refused."""
+    result = run_setup_with(tmp_path, "63.2.0", wheel=False, command="build_ext")
+    assert "torch_bigbatch: building needs" not in result.stderr, result.stderr
