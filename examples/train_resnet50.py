@@ -661,16 +661,21 @@ def main(args):
         finished = "finished" if rows[-1]["epoch"] == recipe.epochs else "stopped"
         print(f"{finished} after epoch {rows[-1]['epoch']}: test accuracy "
               f"{100 * rows[-1]['test_accuracy']:.2f}% (metrics in {args.output})", flush=True)
-    # Gloo's worker threads drop a collective's tensors after its caller has moved on, and
-    # dropping a tensor that Python sees takes the GIL: where the interpreter is already
-    # shutting down by then, the process aborts ("terminate called without an active
-    # exception", from ~AsyncWork on pt_gloo_runloop: 5 of 8 runs of a 4-rank Gloo job here).
-    # destroy_process_group() does not join those threads once DDP has held the group (it
-    # survives, referenced from torch's C++ side). A last barrier waits with the GIL released,
-    # so the workers finish with the save's all_reduce first (0 of 12 runs failed with it).
+    # No rank leaves while another still runs a collective.
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(get_args_parser().parse_args())
+    # Gloo's worker threads drop a collective's tensors after its caller has moved on, and
+    # dropping a tensor that Python sees takes the GIL: where the interpreter is finalizing by
+    # then, Python (before 3.14) ends that thread with pthread_exit, which aborts the process
+    # ("terminate called without an active exception", from ~AsyncWork on pt_gloo_runloop: 5 of
+    # 8 runs of a 4-rank Gloo job here; 1 rank in a CI run even after the barrier above).
+    # destroy_process_group() does not join those threads (the group survives, referenced from
+    # torch's C++ side), so the job ends without finalizing: every file is closed and the
+    # output flushed by now (main(), run from Python, returns as any function does).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
