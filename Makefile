@@ -71,7 +71,8 @@ gpu-build:
 	  'no GPU: this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"
 	@mkdir -p $(GPU_OUT)
 	$(PIP) install --no-build-isolation --no-deps --no-index -e . > $(GPU_OUT)/build.log 2>&1 \
-	  || (tail -20 $(GPU_OUT)/build.log; echo "gpu-build: pip could not install it; building in place"; \
+	  || (tail -20 $(GPU_OUT)/build.log; \
+	      echo "gpu-build: pip could not install it; building in place"; \
 	      $(PYTHON) setup.py build_ext --inplace > $(GPU_OUT)/build_inplace.log 2>&1 \
 	      || (tail -50 $(GPU_OUT)/build_inplace.log; exit 1))
 

@@ -400,7 +400,7 @@ def silent_rank(rank, world_size, port):
          seconds=3)
     dist.all_reduce(torch.ones(10))  # every group is connected
     if rank == 3:
-        time.sleep(20)  # past every other rank's end: alive, silent
+        time.sleep(8)  # alive and silent past the others' timeout (3 s) and its slack
         return None
     start = time.monotonic()
     works = [dist.all_reduce(torch.ones(1 << 20), async_op=True) for _ in range(2)]
