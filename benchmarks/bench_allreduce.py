@@ -32,7 +32,7 @@ import torch_bigbatch  # noqa: E402
 from common import write_csv  # noqa: E402
 from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
                                         torus_algorithm_table)
-from torch_bigbatch.distributed.torus import CPU_SEGMENT_BYTES  # noqa: E402
+from torch_bigbatch.distributed.torus import cpu_segment_bytes  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
@@ -78,7 +78,8 @@ def describe_choice(nbytes, group):
     algorithm = torus_algorithm(nbytes, group)
     if rows and algorithm == "torus" and rows[0]["one_shot"]:
         return "torus 1-shot"
-    if rows and algorithm == "torus" and rows[0]["segment_bytes"] != CPU_SEGMENT_BYTES:
+    if rows and algorithm == "torus" and rows[0]["segment_bytes"] \
+            != cpu_segment_bytes(dist.get_world_size(group)):
         return "torus " + label(rows[0]["segment_bytes"]).replace(" ", "").removesuffix("iB")
     return algorithm
 

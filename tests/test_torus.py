@@ -719,14 +719,17 @@ def decision_log(rank, world_size, port, folder):
 
 
 @pytest.mark.slow
-def test_rank_zero_logs_each_decision(tmp_path):
-    results = run_ranks(decision_log, 4, str(tmp_path))
+@pytest.mark.parametrize("world_size, segments", [(4, "8 MiB"), (8, "16 MiB")])
+def test_rank_zero_logs_each_decision(tmp_path, world_size, segments):
+    """The log names each candidate, the torus with the group's default segments: 2 MiB per
+    rank, from 8 to 16 MiB (torch_bigbatch.distributed.torus.cpu_segment_bytes)."""
+    results = run_ranks(decision_log, world_size, str(tmp_path))
     text, chosen = results[0]
     lines = [line for line in text.splitlines() if line.startswith("torch_bigbatch torus:")]
     assert len(lines) == 1, text
     assert lines[0].startswith(f"torch_bigbatch torus: cpu allreduces over 2 KiB up to 4 KiB "
                                f"run {chosen}"), lines
-    for candidate in ("flat ", "torus (8 MiB segments) ", "torus (one shot) "):
+    for candidate in ("flat ", f"torus ({segments} segments) ", "torus (one shot) "):
         assert candidate in lines[0], lines
     assert all("torch_bigbatch torus:" not in text for text, _ in results[1:])
 
