@@ -38,7 +38,19 @@ UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
 CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
               "runs", "cpu_ms", "cpu_vs_gloo"]
-WARM_UP_CALLS = 25  # auto decides a class after at most 4 candidates x 5 trial calls
+MAX_WARM_UP_CALLS = 100  # auto decides a class within 4 candidates x 17 trial calls
+
+
+def warm_up(tensor, name, group):
+    """Connections, allocations, and for a torus group its trials of this size: calls until the
+    size's algorithm is decided (every rank decides at the same call)."""
+    dist.all_reduce(tensor, group=group)
+    for _ in range(MAX_WARM_UP_CALLS):
+        if name == "gloo" or torus_algorithm(tensor.nbytes, group) != "measuring":
+            return
+        dist.all_reduce(tensor, group=group)
+    raise RuntimeError(f"{name}: the algorithm of {tensor.nbytes} bytes is still measured after "
+                       f"{MAX_WARM_UP_CALLS} calls")
 
 
 def parse_size(text):
@@ -97,9 +109,8 @@ def worker(rank, world, shape, sizes, args, port, results):
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
         times, cpu = {}, {}
-        for name, group in groups.items():  # warm-up: connections, allocations, auto's trials
-            for _ in range(WARM_UP_CALLS if name == "auto" else 1):
-                dist.all_reduce(tensor, group=group)
+        for name, group in groups.items():
+            warm_up(tensor, name, group)
         for _ in range(args.rounds):  # the groups take turns, so drift hits all
             for name, group in groups.items():
                 seconds, cpu_seconds_here = time_round(

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
-from bench_allreduce import (DEFAULT_SIZES, WARM_UP_CALLS, describe_choice, label, parse_size,
-                             time_round)
+from bench_allreduce import (DEFAULT_SIZES, describe_choice, label, parse_size, time_round,
+                             warm_up)
 from common import write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
 from torch_bigbatch.distributed import TorusOptions, torus_shape
@@ -93,9 +93,8 @@ def worker(args):
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, args.round_bytes // nbytes))
         seconds = {name: [] for name in groups}
-        for name, group in groups.items():  # warm-up: connections, allocations, auto's trials
-            for _ in range(WARM_UP_CALLS if name == "auto" else 1):
-                dist.all_reduce(tensor, group=group)
+        for name, group in groups.items():
+            warm_up(tensor, name, group)
         for _ in range(args.rounds):  # the algorithms take turns, so drift hits all
             for name, group in groups.items():
                 seconds[name].append(time_round(lambda: dist.all_reduce(tensor, group=group),
