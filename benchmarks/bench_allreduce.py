@@ -38,7 +38,7 @@ UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
 CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
               "runs", "cpu_ms", "cpu_vs_gloo"]
-MAX_WARM_UP_CALLS = 100  # auto decides a class within 4 candidates x 17 trial calls
+MAX_WARM_UP_CALLS = 100  # auto decides a class after at most 4 candidates x 5 trial calls
 
 
 def warm_up(tensor, name, group):

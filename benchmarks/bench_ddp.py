@@ -2,9 +2,8 @@
 
 Each case runs examples/train_resnet50.py under torchrun on this machine (OMP_NUM_THREADS=1, as
 `make demo`), the two backends taking turns over --rounds, and stops it after a number of
-steps. The rate is the steady one between the case's first counted progress line and the last
-(the first steps pay for connections, allocations and "auto"'s trials of each bucket size: 35
-calls for the demo's bucket), read from rank 0's progress lines; the table gives
+steps. The rate is the steady one between the first progress line and the last (the first
+steps pay for connections and allocations), read from rank 0's progress lines; the table gives
 the median over rounds and torus / gloo. With --nodes N the processes run on N emulated nodes
 (benchmarks/emulated_cluster.py, root; `make demo-cluster` is the demo on 2 nodes x 2), over
 links of --rate when given. Cases:
@@ -30,22 +29,21 @@ from common import write_csv
 from emulated_cluster import EmulatedCluster, format_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = {  # job arguments, steps, steps between progress lines, the first step counted
+CASES = {  # job arguments, steps, steps between progress lines
     "demo": (["--recipe", "goyal2017", "--dataset", "fashion-mnist", "--epochs", "5",
-              "--batch-per-rank", "64"], 100, 10, 40),
+              "--batch-per-rank", "64"], 60, 10),
     "resnet50": (["--recipe", "goyal2017", "--dataset", "synthetic", "--model", "resnet50",
-                  "--synthetic-size", "2048", "--epochs", "1", "--batch-per-rank", "8"], 20, 5, 5),
+                  "--synthetic-size", "2048", "--epochs", "1", "--batch-per-rank", "8"], 20, 5),
 }
 PROGRESS = re.compile(r"step (\d+)/\d+ .* batch (\d+) (\d+) img/s")
 CSV_FIELDS = ["case", "nodes", "rate", "processes", "backend", "images_per_second",
               "torus_over_gloo"]
 
 
-def steady_rate(output, first_step):
-    """Images per second between the progress line of first_step and the last. Each line gives
-    the epoch's rate so far, so the time at a line is step * batch / rate."""
+def steady_rate(output):
+    """Images per second between the first and the last progress line. Each line gives the
+    epoch's rate so far, so the time at a line is step * batch / rate."""
     lines = [tuple(map(int, match)) for match in PROGRESS.findall(output)]
-    lines = [line for line in lines if line[0] >= first_step]
     if len(lines) < 2:
         raise RuntimeError(f"fewer than two progress lines in:\n{output[-3000:]}")
     (first, batch, first_rate), (last, _, last_rate) = lines[0], lines[-1]
@@ -54,7 +52,7 @@ def steady_rate(output, first_step):
 
 
 def job_arguments(case, backend, output):
-    arguments, steps, every, _ = CASES[case]
+    arguments, steps, every = CASES[case]
     return [os.path.join(ROOT, "examples", "train_resnet50.py"), *arguments, "--backend",
             backend, "--stop-after-steps", str(steps), "--print-every", str(every),
             "--checkpoint-every", "0", "--output", output]
@@ -73,7 +71,7 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}"
                                    f"{result.stderr[-3000:]}")
-            return steady_rate(result.stdout, CASES[case][3])
+            return steady_rate(result.stdout)
         with EmulatedCluster(nodes, rate=rate) as cluster:
             results = cluster.run(lambda node: cluster.torchrun(node, job, processes // nodes),
                                   timeout=timeout, env=env)
@@ -81,7 +79,7 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
         if any(code != 0 for code, _ in results):
             raise RuntimeError(f"{case} over {backend} on {nodes} nodes failed:\n"
                                + format_outputs(cluster.nodes, outputs)[-5000:])
-        return steady_rate(outputs[0], CASES[case][3])  # rank 0 runs on node 0
+        return steady_rate(outputs[0])  # rank 0 runs on node 0
 
 
 def main():

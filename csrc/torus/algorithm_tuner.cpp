@@ -19,8 +19,6 @@ using Clock = std::chrono::steady_clock;
 
 // How much faster than the flat allreduce a torus must be in trials to be chosen (see decide).
 constexpr double kFlatMargin = 0.05;
-// Timed trial calls per candidate (see trial_calls_per_candidate).
-constexpr int64_t kMinTimedCalls = 4, kMaxTimedCalls = 16, kTimedTrialBytes = 16 << 20;
 
 // Sizes here are powers of two or segment sizes: whole units.
 std::string format_bytes(int64_t bytes) {
@@ -103,12 +101,6 @@ std::string Choice::describe() const {
   return c10::str("torus (", format_bytes(segment_bytes), " segments)");
 }
 
-int trial_calls_per_candidate(int size_class) {
-  const int64_t top = int64_t(1) << size_class;
-  return 1 + static_cast<int>(
-                 std::clamp(kTimedTrialBytes / top, kMinTimedCalls, kMaxTimedCalls));
-}
-
 int size_class_of(int64_t bytes) {
   int k = 0;
   while (k < 62 && (int64_t(1) << k) < bytes) ++k;
@@ -118,8 +110,14 @@ int size_class_of(int64_t bytes) {
 AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
                                std::vector<PinnedClass> pinned,
                                c10::intrusive_ptr<c10d::Backend> agree,
-                               std::chrono::milliseconds timeout)
-    : rank_(rank), cpu_(cpu), cuda_(cuda), agree_(std::move(agree)), timeout_(timeout) {
+                               std::chrono::milliseconds timeout, int calls_per_candidate)
+    : rank_(rank),
+      cpu_(cpu),
+      cuda_(cuda),
+      agree_(std::move(agree)),
+      timeout_(timeout),
+      calls_per_candidate_(calls_per_candidate) {
+  TORCH_CHECK(calls_per_candidate_ >= 2, "torus: the tuner needs a warm-up call and a timed one");
   for (const auto& entry : pinned) {
     TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
                 "torus: a pinned size class must be in [0, 62], got ", entry.size_class);
@@ -208,17 +206,15 @@ AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t b
   ClassState& state = classes_[{device.type(), size_class}];
   if (state.candidates.empty() && !state.decided) {
     state.candidates = candidates(tuning, size_class);
-    state.calls_per_candidate = trial_calls_per_candidate(size_class);
     state.source = "measuring";
   }
-  const int calls = state.calls_per_candidate;
-  const int64_t trials = calls * static_cast<int64_t>(state.candidates.size());
+  const int64_t trials = calls_per_candidate_ * static_cast<int64_t>(state.candidates.size());
   if (!state.decided && state.trial_calls == trials) decide(device.type(), size_class, state);
   if (state.decided) return {*state.decided, nullptr};
 
   auto trial = std::make_shared<Trial>();
-  trial->candidate = static_cast<size_t>(state.trial_calls / calls);
-  trial->call = static_cast<int>(state.trial_calls % calls);
+  trial->candidate = static_cast<size_t>(state.trial_calls / calls_per_candidate_);
+  trial->call = static_cast<int>(state.trial_calls % calls_per_candidate_);
   ++state.trial_calls;
   if (device.is_cpu()) {
     trial->start = Clock::now();
@@ -269,7 +265,7 @@ c10::Stream AlgorithmTuner::timing_stream(c10::Device device) {
 void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& state) {
   const size_t count = state.candidates.size();
   const auto deadline = Clock::now() + timeout_;
-  const int timed = state.calls_per_candidate - 1;
+  const int64_t timed = calls_per_candidate_ - 1;
   std::vector<double> best(count);  // this rank's median per candidate, then the agreed one
   try {
     std::vector<std::vector<double>> times(count);
@@ -297,9 +293,9 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
                 message_of(std::current_exception()));
   }
   // The flat allreduce (candidate 0, the engine's own) keeps the class unless a torus beats it
-  // by kFlatMargin: trials of four calls (large classes) on a shared machine miss the steady
-  // state by up to a tenth, and a near tie taken by the torus ran 0.89x Gloo (2x4 at 16 MiB on
-  // one machine: flat 40.6 ms, torus 40.4 ms in trials).
+  // by kFlatMargin: trials of four calls on a shared machine miss the steady state by up to a
+  // tenth, and a near tie taken by the torus ran 0.89x Gloo (2x4 at 16 MiB on one machine:
+  // flat 40.6 ms, torus 40.4 ms in trials).
   size_t fastest = 0;
   for (size_t i = 1; i < count; ++i)
     if (best[i] < (fastest == 0 ? best[0] * (1 - kFlatMargin) : best[fastest])) fastest = i;

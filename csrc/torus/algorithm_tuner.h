@@ -12,8 +12,7 @@
 // a device by events (the start on the caller's stream, the end on a stream of the tuner's that
 // waits for the Work), never by a host sync on the call's path. The call after the trials
 // decides: each rank takes the median time of each candidate over its calls after the first
-// (a warm-up; 4 timed calls, up to 16 where the class's calls are small: see
-// trial_calls_per_candidate; on this shared 2-core machine a Gloo ring's time is bimodal, and
+// (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
 // the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state), the ranks
 // combine them with one small MIN allreduce of the whole CPU group, and every rank picks the
 // same fastest candidate (flat unless a torus beats it by 5%: see decide). The least rank's
@@ -94,18 +93,13 @@ struct TableRow {
 
 int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
 
-// The trial calls of each candidate of a class: a warm-up, then 4 timed calls, more where the
-// class's calls are small (up to 16, at most 16 MiB of timed calls): one call's time on a
-// shared machine varies severalfold (4 ranks, 64 KiB: Gloo's calls took 1.0-11.4 ms, 5 ms in
-// steady state), and 4 calls chose flat at 1.4 ms in trials where the torus ran twice as fast.
-int trial_calls_per_candidate(int size_class);
-
 class AlgorithmTuner {
  public:
   // rank: for the decision's log line (rank 0 prints it); agree: the whole CPU group, for the
   // one MIN allreduce of each decision; timeout: how long a decision waits for its trials.
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
-                 c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout);
+                 c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
+                 int calls_per_candidate = 5);
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.
@@ -127,7 +121,6 @@ class AlgorithmTuner {
  private:
   struct ClassState {
     std::vector<Choice> candidates;
-    int calls_per_candidate = 0;  // trials: the first a warm-up
     int64_t trial_calls = 0;
     std::vector<std::shared_ptr<Trial>> trials;
     std::optional<Choice> decided;
@@ -146,6 +139,7 @@ class AlgorithmTuner {
   const DeviceTuning cpu_, cuda_;
   const c10::intrusive_ptr<c10d::Backend> agree_;
   const std::chrono::milliseconds timeout_;
+  const int calls_per_candidate_;  // trials: the first a warm-up
 
   mutable std::mutex mutex_;  // guards classes_ and counts_ (held by a decision)
   std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;
