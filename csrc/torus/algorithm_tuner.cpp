@@ -63,7 +63,7 @@ struct Trial {
 
   std::mutex mutex;
   std::condition_variable ended_cv;
-  bool ended = false;
+  bool ended = false;  // on the host: the Work ended; on a device: its end event was recorded
   std::exception_ptr failure;
   double seconds = 0;
 
@@ -75,14 +75,23 @@ struct Trial {
     ended_cv.notify_all();
   }
 
-  // The trial's time, once it has ended; throws its failure, or a timeout at `deadline`.
+  // A device trial's call was issued and its end event recorded after `work`.
+  void recorded(c10::intrusive_ptr<c10d::Work> work) {
+    std::lock_guard<std::mutex> lock(mutex);
+    device_work = std::move(work);
+    ended = true;
+    ended_cv.notify_all();
+  }
+
+  // The trial's time, once it has ended; throws its failure, or a timeout at `deadline`. A
+  // device trial is first waited for on the host until its end event is recorded: the decision
+  // may run on another thread while this trial's call is still being issued, and an event
+  // never recorded reads as complete.
   double wait(Clock::time_point deadline) {
     {
       std::unique_lock<std::mutex> lock(mutex);
-      if (!end_event) {
-        TORCH_CHECK(ended_cv.wait_until(lock, deadline, [this] { return ended; }),
-                    "its trial calls did not end in time");
-      }
+      TORCH_CHECK(ended_cv.wait_until(lock, deadline, [this] { return ended; }),
+                  "its trial calls did not end in time");
       if (failure) std::rethrow_exception(failure);
       if (!end_event) return seconds;
     }
@@ -246,7 +255,7 @@ void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Wor
   c10::StreamGuard on_timing(stream);
   work->synchronize();
   trial->end_event->record(stream);
-  trial->device_work = work;
+  trial->recorded(work);
 }
 
 void AlgorithmTuner::abandon(const Call& call, const std::exception_ptr& error) {
