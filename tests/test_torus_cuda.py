@@ -101,7 +101,25 @@ def allreduce_on_gpus(rank, world_size, port, shape):
         assert work.wait()
         assert torch.equal(tensor, want), f"call {i}"
         assert work.is_completed() and work.is_success()
-    assert pipeline_calls() == checked + 1 + 1 + 1 + 20
+    # float16 AVG whose sum over the ranks passes float16's largest value (65504): divided first,
+    # as NCCL's own AVG (the flat path's) divides, so the mean comes back, not inf.
+    large = torch.full((1000,), 40000.0, dtype=torch.float16, device=device)
+    dist.all_reduce(large, op=dist.ReduceOp.AVG)
+    assert torch.equal(large, torch.full_like(large, 40000.0))
+    assert pipeline_calls() == checked + 1 + 1 + 1 + 20 + 1
+
+    # Captured into a CUDA graph, an allreduce is the whole group's NCCL allreduce (the pipeline
+    # queries events on the host, which a capture records only at replay); replays reduce anew.
+    static = torch.zeros(1000, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(static)
+    for value in (1.0, 2.0):
+        static.fill_(value + rank)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, torch.full_like(static, expected("SUM", value, world_size)))
+    assert pipeline_calls() == checked + 1 + 1 + 1 + 20 + 1, "a captured call ran the pipeline"
     return checked
 
 

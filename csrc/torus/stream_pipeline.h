@@ -117,8 +117,13 @@ class StreamPipeline {
   std::optional<c10::Device> watcher_device_;  // the device the watcher thread has made current
 };
 
-// What a device's glue registers for the thread that queries its events (watcher_cuda_glue.cpp):
+// What a device's glue registers for the thread that queries its events (torus_cuda_glue.cpp):
 // make `device` current, and whatever else such a thread needs there.
 using WatcherSetups = DeviceLaunchers<void (*)(c10::Device)>;
+
+// What a device's glue registers to tell whether the device's current stream is capturing a
+// graph (torus_cuda_glue.cpp): the pipeline cannot run in a capture (its watcher and the
+// tuner's trials query events on the host, which a capture records only at replay).
+using CaptureChecks = DeviceLaunchers<bool (*)(c10::Device)>;
 
 }  // namespace torch_bigbatch::torus

@@ -27,6 +27,13 @@ bool host_pipeline_supports(at::ScalarType dtype) {
   }
 }
 
+// Whether the calling thread's current stream on `device` is capturing a graph (never on the
+// host, nor on a device whose glue this build lacks).
+bool capturing(const c10::Device& device) {
+  const auto check = CaptureChecks::find(device.type());
+  return check != nullptr && check(device);
+}
+
 bool is_bitwise(const c10d::ReduceOp& op) {
   return op.op_ == c10d::ReduceOp::BAND || op.op_ == c10d::ReduceOp::BOR ||
          op.op_ == c10d::ReduceOp::BXOR;
@@ -143,7 +150,9 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   }
   const Engines& engines = engines_for(first.device().type(), collective);
   const bool on_host = first.device().is_cpu();
-  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM)
+  // Also a call captured into a CUDA graph (NCCL's allreduce can be captured, the pipeline and
+  // the tuner's trials cannot: see CaptureChecks).
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || capturing(first.device()))
     return whole_allreduce(engines, std::move(tensors), op, op_type);
   if (on_host) {
     TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,

@@ -1,11 +1,17 @@
-// What the stream pipeline's watcher thread needs on CUDA before it queries events: the Work's
-// GPU current (a query on a thread whose device was never set creates a context on GPU 0,
-// about 0.5 GB, on every rank of the node), and thread-local stream-capture mode, so that its
-// queries cannot invalidate a CUDA graph another thread is capturing (as ProcessGroupNCCL's
-// watchdog does). The thread is the pipeline's own, so the mode is never set back.
+// What the torus asks of CUDA that its device-generic code cannot.
+//
+// The stream pipeline's watcher thread, before it queries events: the Work's GPU current (a
+// query on a thread whose device was never set creates a context on GPU 0, about 0.5 GB, on
+// every rank of the node), and thread-local stream-capture mode, so that its queries cannot
+// invalidate a CUDA graph another thread is capturing (as ProcessGroupNCCL's watchdog does).
+// The thread is the pipeline's own, so the mode is never set back.
+//
+// Whether the calling thread's current stream on a GPU is capturing a CUDA graph: such an
+// allreduce goes to the whole group's NCCL allreduce, which a graph can hold.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include "torus/stream_pipeline.h"
@@ -23,7 +29,14 @@ void prepare_cuda_watcher(c10::Device device) {
   (void)thread_local_capture;
 }
 
-const WatcherSetups::Register kCuda(c10::DeviceType::CUDA, &prepare_cuda_watcher);
+bool cuda_stream_capturing(c10::Device device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+const WatcherSetups::Register kCudaWatcher(c10::DeviceType::CUDA, &prepare_cuda_watcher);
+const CaptureChecks::Register kCudaCapture(c10::DeviceType::CUDA, &cuda_stream_capturing);
 
 }  // namespace
 }  // namespace torch_bigbatch::torus
