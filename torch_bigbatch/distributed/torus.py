@@ -44,6 +44,7 @@ def cpu_segment_bytes(group_size):
     across two emulated nodes of two (1.17 and 1.31x against 1.11 and 1.09x)."""
     return min(max(group_size * (2 << 20), 8 << 20), 16 << 20)
 
+
 # The other segment sizes that "auto" tries, each where it cuts a buffer into another number of
 # segments: on the CPU, 32 MiB (on one host fewer segments cost less local work and fewer
 # messages) and 2 MiB (more segments, for links that pipeline better); on GPUs, NCCL's kernels
@@ -84,9 +85,8 @@ class TorusOptions:
     segment_bytes: large buffers are cut into segments of this size, and the phases of
         consecutive segments overlap. None (default): cpu_segment_bytes(group size) for CPU
         tensors (2 MiB per rank, from 8 to 16 MiB: measured on one host and across emulated
-        nodes), DEFAULT_SEGMENT_BYTES
-        for CUDA tensors (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
-        ALTERNATIVE_SEGMENT_BYTES.
+        nodes), DEFAULT_SEGMENT_BYTES for CUDA tensors (16 MiB, the cost model's; not measured
+        on GPUs); "auto" also tries ALTERNATIVE_SEGMENT_BYTES.
     """
 
     shape: tuple[int, int] | str | None = None
