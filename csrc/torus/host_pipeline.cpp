@@ -640,9 +640,9 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   // caller's bool tensors, as Gloo's does).
   if (call->buffer.flat.scalar_type() == at::kBool)
     call->buffer.flat = call->buffer.flat.view(at::kByte);
-  call->op = op;
   call->numel = call->buffer.flat.numel();
-  call->kind = call_kind(call->buffer.flat.scalar_type(), op);
+  call->kind = call_kind(call->buffer.flat.scalar_type(), op);  // the caller's op, compared
+  call->op = divide_first_if_half(call->buffer.flat, op, shape.columns * shape.rows);
   call->one_shot = one_shot;
   if (call->numel == 0) {  // nothing to exchange
     call->work->complete();

@@ -54,4 +54,11 @@ void finish_average(at::Tensor& reduced, const c10d::ReduceOp& op, int64_t group
   if (op.op_ == c10d::ReduceOp::AVG) reduced.div_(group_size);
 }
 
+c10d::ReduceOp divide_first_if_half(at::Tensor& buffer, const c10d::ReduceOp& op,
+                                    int64_t group_size) {
+  if (op.op_ != c10d::ReduceOp::AVG || buffer.scalar_type() != at::kHalf) return op;
+  buffer.div_(group_size);
+  return c10d::ReduceOp::SUM;
+}
+
 }  // namespace torch_bigbatch::torus

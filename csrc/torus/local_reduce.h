@@ -20,4 +20,11 @@ void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& row
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op);
 void finish_average(at::Tensor& reduced, const c10d::ReduceOp& op, int64_t group_size);
 
+// AVG of float16 is divided before the sum instead, as NCCL's AVG divides floating inputs: a
+// sum over the ranks can pass float16's largest value, 65504, where the mean does not. Divides
+// `buffer` in place where that applies and returns the op left to finish the call with: SUM
+// there, else `op`.
+c10d::ReduceOp divide_first_if_half(at::Tensor& buffer, const c10d::ReduceOp& op,
+                                    int64_t group_size);
+
 }  // namespace torch_bigbatch::torus

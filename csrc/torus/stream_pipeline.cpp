@@ -96,17 +96,14 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   device_work.buffers.insert(device_work.buffers.end(), {buffer.flat, reduced});
 
   // AVG is summed and divided once at the end: NCCL's AVG in the row and again in the column
-  // would round twice. Half is divided first instead, as NCCL's own AVG (the flat path's)
-  // divides floating inputs: a sum over the ranks can pass its largest value, 65504, where the
-  // mean does not.
+  // would round twice (float16 is divided first: divide_first_if_half).
   const int64_t group_size = context_->shape.columns * context_->shape.rows;
-  const bool divided_first =
-      op.op_ == c10d::ReduceOp::AVG && buffer.flat.scalar_type() == at::kHalf;
-  if (divided_first && !error) {
+  c10d::ReduceOp finish_op = op;
+  if (!error) {
     c10::StreamGuard on_first(first);
-    buffer.flat.div_(group_size);
+    finish_op = divide_first_if_half(buffer.flat, op, group_size);
   }
-  const c10d::ReduceOp engine = engine_op(op);
+  const c10d::ReduceOp engine = engine_op(finish_op);
   std::vector<c10::intrusive_ptr<c10d::Work>> latest(spans.size());  // per segment
   for (size_t index : active_) {
     if (error) break;
@@ -131,7 +128,7 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   c10::StreamGuard on_finish(streams.finish);
   for (const auto& phase : device_work.phases) phase.work->synchronize();
   if (!error) {
-    if (!divided_first) finish_average(buffer.flat, op, group_size);
+    finish_average(buffer.flat, finish_op, group_size);
     buffer.copy_out();
   }
   device_work.done.record(streams.finish);

@@ -231,11 +231,15 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
         engine_allreduce(*engines.whole, tensors, op, op_type), whole_group_failure("allreduce"));
   }
   std::vector<at::Tensor> reduced = tensors;
-  for (auto& tensor : reduced) tensor = tensor.contiguous();  // itself when it is contiguous
+  c10d::ReduceOp finish_op = op;
+  for (auto& tensor : reduced) {
+    tensor = tensor.contiguous();  // itself when it is contiguous
+    finish_op = divide_first_if_half(tensor, op, getSize());
+  }
   c10::intrusive_ptr<c10d::Work> work =
-      engine_allreduce(*engines.whole, reduced, engine_op(op), op_type);
+      engine_allreduce(*engines.whole, reduced, engine_op(finish_op), op_type);
   auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
-  work->getFuture()->addCallback([finished, reduced, op, size = getSize(),
+  work->getFuture()->addCallback([finished, reduced, op = finish_op, size = getSize(),
                                   failure = whole_group_failure("allreduce")](
                                      c10::ivalue::Future& done) mutable {
     try {
