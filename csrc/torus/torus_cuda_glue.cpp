@@ -11,7 +11,8 @@
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 #include "torus/stream_pipeline.h"
@@ -30,9 +31,8 @@ void prepare_cuda_watcher(c10::Device device) {
 }
 
 bool cuda_stream_capturing(c10::Device device) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()), &status));
-  return status != cudaStreamCaptureStatusNone;
+  const c10::cuda::CUDAGuard on_device(device);
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 const WatcherSetups::Register kCudaWatcher(c10::DeviceType::CUDA, &prepare_cuda_watcher);
