@@ -107,12 +107,18 @@ def allreduce_matches_gloo(rank, world_size, port, shape):
         assert torch.equal(base[:, 1::3], untouched)
         # float16 AVG whose sum over the ranks passes float16's largest value (65504; 4096 *
         # world_size**2 here): divided first on every path, so the mean comes back, not inf
-        # (1000 values: the one-shot form where the path has one; 200,000: four phases).
-        for numel in (1000, 200_000):
-            large = torch.full((numel,), 4096.0 * world_size, dtype=torch.float16)
+        # (1 and 1000 values: the one-shot form where the path has one; 200,000: four phases;
+        # a strided view: reduced as a copy, the result in the view, the rest untouched).
+        mean = 4096.0 * world_size
+        matrix = torch.full((400, 1000), mean, dtype=torch.float16)
+        view, untouched = matrix[:, ::2], matrix[:, 1::2].clone()
+        for large in (torch.full((1,), mean, dtype=torch.float16),
+                      torch.full((1000,), mean, dtype=torch.float16),
+                      torch.full((200_000,), mean, dtype=torch.float16), view):
             dist.all_reduce(large, op=dist.ReduceOp.AVG, group=group)
-            assert torch.equal(large, torch.full_like(large, 4096.0 * world_size)), \
-                f"AVG float16 n={numel} {path}: {large[:3].tolist()}"
+            assert torch.equal(large, torch.full_like(large, mean)), \
+                f"AVG float16 {tuple(large.shape)} {path}: {large.flatten()[:3].tolist()}"
+        assert torch.equal(matrix[:, 1::2], untouched)
         # allreduce_coalesced: one flattened buffer for several tensors.
         tensors = [rank_data(rank, n, torch.float64, "SUM", seed=n) for n in (5, 1001, 3)]
         expected = [t.clone() for t in tensors]
