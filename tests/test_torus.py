@@ -583,6 +583,9 @@ def environment_that_differs_on_rank_2(rank, world_size, port, variable, values)
     # Else rank 2 would run Gloo's allreduce on the whole group where the others run the torus.
     ("TORCH_BIGBATCH_TORUS_ALGORITHM", ("auto", "flat"), "settings",
      ("rank 0 algorithm=auto ", "rank 2 algorithm=flat ")),
+    # Else CUDA tensors would meet NCCL on some ranks and Gloo on others.
+    ("TORCH_BIGBATCH_TORUS_CUDA_ENGINE", ("nccl", "gloo"), "settings",
+     ("cuda_engine=nccl; rank 2 ", "cuda_engine=gloo")),
 ])
 def test_ranks_that_disagree_all_fail_at_once(variable, values, what, expected):
     start = time.monotonic()
@@ -845,6 +848,9 @@ def test_options_are_checked():
         TorusOptions(torus_max_bytes=-1)
     with pytest.raises(ValueError, match="algorithm must be one of auto, torus, flat"):
         TorusOptions(algorithm="ring")
+    with pytest.raises(ValueError, match="cuda_engine must be one of nccl, gloo, got 'mpi'"):
+        TorusOptions(cuda_engine="mpi")
+    assert TorusOptions().cuda_engine == "nccl"
 
 
 def cuda_world_of_one(rank, world_size, port):

@@ -1,9 +1,11 @@
-"""The "torus" backend's CUDA pipeline (NCCL) on real processes, one GPU per rank.
+"""The "torus" backend's CUDA pipeline on real processes: on NCCL, one GPU per rank; on Gloo's
+CUDA collectives (TorusOptions.cuda_engine="gloo"), four ranks sharing GPU 0.
 
 NCCL refuses two ranks on one GPU and a group of one rank never reaches the pipeline (it takes
-the whole group's allreduce), so the pipeline's tests need at least two GPUs; they force
-algorithm "torus" and check that the pipeline ran. The tests of one GPU (world size 1) check the
-whole group's allreduce as the torus hands it to NCCL. Inputs are small integers, so every
+the whole group's allreduce), so on NCCL the pipeline's tests need at least two GPUs; Gloo's
+engine brings them to a machine with one. They force algorithm "torus" and check that the
+pipeline ran. The tests of one GPU (world size 1) check the whole group's allreduce as the torus
+hands it to NCCL. Inputs are small integers, so every
 expected value is exact in float32 and bfloat16 and has a closed form in the ranks.
 """
 
@@ -28,19 +30,24 @@ def needs_gpus(count):
                               reason=f"needs {count} GPUs: NCCL runs one rank per GPU")
 
 
-SHAPES = [pytest.param(shape, id=f"{shape[0]}x{shape[1]}", marks=[CUDA, needs_gpus(count)])
-          for shape, count in (((2, 1), 2), ((1, 2), 2), ((2, 2), 4))]
+PIPELINES = [pytest.param(shape, "nccl", id=f"{shape[0]}x{shape[1]}-nccl",
+                          marks=[CUDA, needs_gpus(shape[0] * shape[1])])
+             for shape in ((2, 1), (1, 2), (2, 2))]
+PIPELINES.append(pytest.param((2, 2), "gloo", id="2x2-gloo-one-gpu", marks=[CUDA, needs_cuda]))
 
 
-def init(rank, world_size, port, shape, segment_bytes=64 << 10, seconds=60):
-    """The torus pipeline forced: "auto" could pick NCCL's own allreduce for any size."""
-    torch.cuda.set_device(rank)
+def init(rank, world_size, port, shape, segment_bytes=64 << 10, seconds=60, engine="nccl"):
+    """The torus pipeline forced: "auto" could pick the whole group's allreduce for any size.
+    NCCL's ranks take a GPU each, Gloo's share GPU 0."""
+    device = torch.device("cuda", rank if engine == "nccl" else 0)
+    torch.cuda.set_device(device)
     dist.init_process_group("torus", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size,
                             pg_options=TorusOptions(shape=shape, algorithm="torus",
-                                                    segment_bytes=segment_bytes),
+                                                    segment_bytes=segment_bytes,
+                                                    cuda_engine=engine),
                             timeout=datetime.timedelta(seconds=seconds))
-    return torch.device("cuda", rank)
+    return device
 
 
 def pipeline_calls():
@@ -56,9 +63,9 @@ def expected(op, base, world_size):
             "MAX": base + world_size - 1, "MIN": base}[op]
 
 
-def allreduce_on_gpus(rank, world_size, port, shape):
+def allreduce_on_gpus(rank, world_size, port, shape, engine):
     # 64 KiB segments: 100,003 float32 values make 7 segments, 7 values a padded copy.
-    device = init(rank, world_size, port, shape)
+    device = init(rank, world_size, port, shape, engine=engine)
     checked = 0
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for op in ("SUM", "AVG", "MAX", "MIN"):
@@ -110,8 +117,15 @@ def allreduce_on_gpus(rank, world_size, port, shape):
 
     # Captured into a CUDA graph, an allreduce is the whole group's NCCL allreduce (the pipeline
     # queries events on the host, which a capture records only at replay); replays reduce anew.
+    # Gloo's engine works through host memory, which no capture can take: a named error.
     static = torch.zeros(1000, device=device)
     graph = torch.cuda.CUDAGraph()
+    if engine == "gloo":
+        with pytest.raises(RuntimeError, match="cannot capture the Gloo CUDA engine"):
+            with torch.cuda.graph(graph):
+                dist.all_reduce(static)
+        assert pipeline_calls() == checked + 1 + 1 + 1 + 20 + 1
+        return checked
     with torch.cuda.graph(graph):
         dist.all_reduce(static)
     for value in (1.0, 2.0):
@@ -123,31 +137,32 @@ def allreduce_on_gpus(rank, world_size, port, shape):
     return checked
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape, engine", PIPELINES)
 @pytest.mark.slow
-def test_allreduce_matches_closed_form(shape):
-    checked = run_ranks(allreduce_on_gpus, shape[0] * shape[1], shape, deadline=300)
+def test_allreduce_matches_closed_form(shape, engine):
+    checked = run_ranks(allreduce_on_gpus, shape[0] * shape[1], shape, engine, deadline=300)
     assert checked[0] == 3 * 4 * 3 - 3
 
 
-def ddp_on_gpus(rank, world_size, port, shape):
+def ddp_on_gpus(rank, world_size, port, shape, engine):
     # Small buckets and segments: several allreduces of several segments overlap the backward.
-    device = init(rank, world_size, port, shape, segment_bytes=256)
+    device = init(rank, world_size, port, shape, segment_bytes=256, engine=engine)
     torch.manual_seed(0)
     model = SmallConvNet().double().to(device)
     steps, batch = 4, 16
     shard = slice(rank * batch // world_size, (rank + 1) * batch // world_size)
     batches = [(x[shard].to(device), y[shard].to(device)) for x, y in global_batches(steps, batch)]
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank], bucket_cap_mb=0.001)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
+                                                    bucket_cap_mb=0.001)
     result = train(ddp, batches, steps).cpu().tolist()  # tensors cannot outlive the rank
     assert pipeline_calls() > steps
     return result
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape, engine", PIPELINES)
 @pytest.mark.slow
-def test_ddp_matches_one_process(shape):
-    results = run_ranks(ddp_on_gpus, shape[0] * shape[1], shape, deadline=300)
+def test_ddp_matches_one_process(shape, engine):
+    results = run_ranks(ddp_on_gpus, shape[0] * shape[1], shape, engine, deadline=300)
     torch.manual_seed(0)
     whole_batch = train(SmallConvNet().double(), global_batches(4, 16), 4)
     for rank, result in enumerate(results):

@@ -225,7 +225,7 @@ AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t b
   trial->candidate = static_cast<size_t>(state.trial_calls / calls_per_candidate_);
   trial->call = static_cast<int>(state.trial_calls % calls_per_candidate_);
   ++state.trial_calls;
-  if (device.is_cpu()) {
+  if (tuning.host_clock) {
     trial->start = Clock::now();
   } else {
     trial->start_event.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);

@@ -8,9 +8,10 @@
 // rank runs the same candidate on the same call; consecutive calls, as the class will run
 // them: alternating candidates call by call charged each the cost of switching from the
 // other, which picked the torus at 4 MiB across emulated nodes where it runs 0.7x Gloo). A
-// trial is timed from its issue to its end: on the host by the clock and the Work's future, on
-// a device by events (the start on the caller's stream, the end on a stream of the tuner's that
-// waits for the Work), never by a host sync on the call's path. The call after the trials
+// trial is timed from its issue to its end: on the host (and on engines whose device Works end
+// on the host) by the clock and the Work's future, on a device by events (the start on the
+// caller's stream, the end on a stream of the tuner's that waits for the Work), never by a host
+// sync on the call's path. The call after the trials
 // decides: each rank takes the median time of each candidate over its calls after the first
 // (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
 // the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state), the ranks
@@ -73,6 +74,9 @@ struct DeviceTuning {
   // The torus's one-shot form up to this size (0: it has none): a candidate beside the
   // segmented torus, and what the fixed modes' torus runs.
   int64_t one_shot_max_bytes = 0;
+  // Trials timed by the host's clock and the Work's future instead of by device events: CPU
+  // tensors, and engines whose device Works end on the host (Engines::ordered_on_host).
+  bool host_clock = false;
 };
 
 // A class's choice given by the user: skips its trials.

@@ -104,29 +104,55 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
     finish_op = divide_first_if_half(buffer.flat, op, group_size);
   }
   const c10d::ReduceOp engine = engine_op(finish_op);
-  std::vector<c10::intrusive_ptr<c10d::Work>> latest(spans.size());  // per segment
+  std::vector<PhaseWork> latest(spans.size());  // per segment: its last phase enqueued
+  auto failed = [&](Phase phase, int64_t segment) {
+    return context_->phase_failed(phase, segment, device_work.segments, std::current_exception());
+  };
   for (size_t index : active_) {
     if (error) break;
     const Phase phase = kPhaseOrder[index];
     c10::StreamGuard on_phase(streams.phase[index]);
     for (size_t k = 0; k < spans.size(); ++k) {
+      const int64_t segment = static_cast<int64_t>(k);
       auto [begin, length] = spans[k];
       at::Tensor part = buffer.flat.narrow(0, begin, length);
       at::Tensor part_reduced = reduced.narrow(0, begin / columns, length / columns);
       try {
-        if (latest[k]) latest[k]->synchronize();  // this phase's stream waits for the last one
-        latest[k] = issue(phase, part, part_reduced, engine);
+        // This phase's stream waits for the last one (ordered_on_host: the host waits too, and
+        // a failure there is the last phase's).
+        if (latest[k].work) engines_.follow(*latest[k].work);
       } catch (...) {
-        error = context_->phase_failed(phase, static_cast<int64_t>(k), device_work.segments,
-                                       std::current_exception());
+        error = failed(latest[k].phase, segment);
         break;
       }
-      device_work.phases.push_back({phase, static_cast<int64_t>(k), latest[k]});
+      try {
+        latest[k] = {phase, segment, issue(phase, part, part_reduced, engine)};
+      } catch (...) {
+        error = failed(phase, segment);
+        break;
+      }
+      device_work.phases.push_back(latest[k]);
     }
   }
 
+  // Each segment's last phase ends after the phases before it, which its stream waited for, so
+  // only the last is followed here: Gloo's reduce-scatter copies its result out at each wait()
+  // that succeeds, and a second copy would overwrite what the later phases made of it. What
+  // the phases' own streams hold ends before done too (such a copy, where the next phase then
+  // could not be enqueued; the comparison of the calls, where no phase could).
   c10::StreamGuard on_finish(streams.finish);
-  for (const auto& phase : device_work.phases) phase.work->synchronize();
+  for (size_t index : active_) {
+    c10::Event queued(device.type());
+    queued.record(streams.phase[index]);
+    queued.block(streams.finish);
+  }
+  for (const PhaseWork& last : latest) {
+    try {
+      if (last.work) engines_.follow(*last.work);
+    } catch (...) {
+      if (!error) error = failed(last.phase, last.segment);
+    }
+  }
   if (!error) {
     finish_average(buffer.flat, finish_op, group_size);
     buffer.copy_out();
@@ -154,7 +180,7 @@ std::exception_ptr StreamPipeline::compare_calls(const c10::Stream& first,
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::MAX;
     auto work = engines_.whole->allreduce(compared, options);
-    work->synchronize();  // the first phase's stream waits for it
+    engines_.follow(*work);  // the first phase's stream waits for it
     device_work.phases.push_back({Phase::Agreement, 0, work});
   } catch (...) {
     return context_->phase_failed(Phase::Agreement, 0, device_work.segments,

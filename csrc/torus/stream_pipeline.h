@@ -20,25 +20,28 @@
 // never interleaved with another call's, so every group sees its collectives in the same order
 // on every rank.
 //
-// Completion. The finish stream waits for every phase of the call, divides an AVG (the engines
-// sum: one rounding), copies the result back when the flat buffer is a copy, and records the
-// Work's `done` event. done events complete in call
-// order (one finish stream per device). A watcher thread polls the oldest unsettled Works (every
-// kPollInterval): calls that differ between ranks fail their Work as soon as the comparison
-// arrives, a phase with an error fails its Work with the phase named, a late Work fails
-// naming the phase it waits for, and a Work whose done event has completed completes its future
-// with the outputs. After the first failure every pending and later allreduce fails, as on the
-// host pipeline, so nothing pairs with the wrong peer.
+// Completion. The finish stream waits for each segment's last phase (which ended after the
+// phases before it), divides an AVG (the engines sum: one rounding), copies the result back
+// when the flat buffer is a copy, and records the Work's `done` event. done events complete in
+// call order (one finish stream per device). A watcher thread polls the oldest unsettled Works
+// (every kPollInterval): calls that differ between ranks fail their Work as soon as the
+// comparison arrives, a phase with an error fails its Work with the phase named, a late Work
+// fails naming the phase it waits for, and a Work whose done event has completed completes its
+// future with the outputs. After the first failure every pending and later allreduce fails, as
+// on the host pipeline, so nothing pairs with the wrong peer.
 //
 // Lifetime. A Work holds its inputs, its flat buffer, the reduced parts and the phase Works; the
 // watcher holds the Work until its done event has completed, also after a failure, so no tensor
 // goes back to the caching allocator while one of these streams may still use it.
 //
 // Host. allreduce() never blocks, nor does wait(): as with ProcessGroupNCCL, it makes the current
-// stream wait for done (and throws a failure known by then); wait(timeout) blocks the host until
-// the Work is settled, and one whose timeout passes fails the Work as the pipeline's own timeout
-// would. The future completes on the watcher thread, so its then() callbacks run there, as
-// Gloo's run on its worker threads; a callback must not block on another torus collective.
+// stream wait for done (and throws a failure known by then). (On engines ordered on the host,
+// Gloo's CUDA collectives, allreduce() blocks until its phases have run: each phase's input is
+// ready only then; that engine lets several ranks share one GPU, for tests.) wait(timeout)
+// blocks the host until the Work is settled, and one whose timeout passes fails the Work as the
+// pipeline's own timeout would. The future completes on the watcher thread, so its then()
+// callbacks run there, as Gloo's run on its worker threads; a callback must not block on
+// another torus collective.
 // Failures reach the future, isSuccess() and exception(), and every later allreduce refuses.
 //
 // The watcher thread makes the device of the Work it polls current (else its first event query

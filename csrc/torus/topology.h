@@ -68,6 +68,21 @@ struct Engines {
   c10::intrusive_ptr<c10d::Backend> column_gather;  // the column again, for the host's allgather
                                                     // (only when Y > 2, and not on CUDA)
   c10::intrusive_ptr<c10d::Backend> row_gather;     // this rank's row again (null when X == 1)
+  // Whether the Works of these engines on device tensors order the caller's stream only once
+  // they have run on the host: Gloo's CUDA collectives copy through host memory on its worker
+  // threads and record the event their synchronize() waits for only at the end (before that it
+  // orders nothing). NCCL's order the stream at once.
+  bool ordered_on_host = false;
+
+  // Makes the current stream wait for `work`, one of these engines' Works on device tensors:
+  // at once, or (ordered_on_host) after the host has waited for it; throws its failure then.
+  void follow(c10d::Work& work) const {
+    if (ordered_on_host) {
+      work.wait();  // then synchronize(), by Work::wait's contract
+    } else {
+      work.synchronize();
+    }
+  }
 };
 
 }  // namespace torch_bigbatch::torus

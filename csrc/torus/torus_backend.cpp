@@ -56,9 +56,16 @@ c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op) {
   }
 }
 
-// The host pipeline has a one-shot form for small buffers (see kOneShotBytes).
-DeviceTuning with_one_shot(DeviceTuning tuning) {
+// The host pipeline has a one-shot form for small buffers (see kOneShotBytes); its trials, and
+// those of device engines ordered on the host, run by the host's clock.
+DeviceTuning on_host(DeviceTuning tuning) {
   tuning.one_shot_max_bytes = kOneShotBytes;
+  tuning.host_clock = true;
+  return tuning;
+}
+
+DeviceTuning on_device(DeviceTuning tuning, const std::optional<Engines>& engines) {
+  tuning.host_clock = engines && engines->ordered_on_host;
   return tuning;
 }
 
@@ -71,8 +78,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       timeout_(settings.timeout),
       cpu_(std::move(cpu)),
       cuda_(std::move(cuda)),
-      tuner_(shape.rank, with_one_shot(settings.cpu), settings.cuda, std::move(settings.pinned),
-             cpu_ ? cpu_->whole : nullptr, settings.timeout) {
+      tuner_(shape.rank, on_host(settings.cpu), on_device(settings.cuda, cuda_),
+             std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
               shape_.rows, " does not match the group size ", size);
   TORCH_CHECK(cpu_, "torus: the CPU engines (Gloo) are missing: the tuner agrees through them");
@@ -151,8 +158,12 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   const Engines& engines = engines_for(first.device().type(), collective);
   const bool on_host = first.device().is_cpu();
   // Also a call captured into a CUDA graph (NCCL's allreduce can be captured, the pipeline and
-  // the tuner's trials cannot: see CaptureChecks).
-  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || capturing(first.device()))
+  // the tuner's trials cannot: see CaptureChecks; Gloo's host copies cannot either).
+  const bool captured = capturing(first.device());
+  TORCH_CHECK(!captured || !engines.ordered_on_host, "torus ", collective,
+              ": a CUDA graph cannot capture the Gloo CUDA engine (TorusOptions.cuda_engine "
+              "'gloo', which works through host memory); capture with engine 'nccl'");
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured)
     return whole_allreduce(engines, std::move(tensors), op, op_type);
   if (on_host) {
     TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,
@@ -275,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
   }
   c10::intrusive_ptr<c10d::Work> work = engine_allreduce(*engines.whole, reduced, op, op_type);
   if (copied) {
-    work->synchronize();
+    engines.follow(*work);
     for (size_t i = 0; i < reduced.size(); ++i)
       if (!reduced[i].is_same(tensors[i])) tensors[i].copy_(reduced[i]);
   }

@@ -3,8 +3,8 @@
 ``import torch_bigbatch`` registers it; then ``torch.distributed.init_process_group("torus")``
 under torchrun gives DDP a 2D-torus allreduce with no other change. The C++ backend
 (csrc/torus) composes process groups built here from the store torch hands us: Gloo for CPU
-tensors, NCCL for CUDA tensors, each as the whole group, this rank's row (twice: one group per
-row phase) and its column.
+tensors, NCCL for CUDA tensors (or Gloo's CUDA collectives: TorusOptions.cuda_engine), each as
+the whole group, this rank's row (twice: one group per row phase) and its column.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
 ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
 ENV_TABLE = "TORCH_BIGBATCH_TORUS_TABLE"
+ENV_CUDA_ENGINE = "TORCH_BIGBATCH_TORUS_CUDA_ENGINE"
 
 
 ALGORITHMS = ("auto", "torus", "flat")
+CUDA_ENGINES = ("nccl", "gloo")
 
 
 def cpu_segment_bytes(group_size):
@@ -82,6 +84,11 @@ class TorusOptions:
         torus_algorithm_table() (a list of dicts, or the path of a JSON file of one, as
         save_torus_algorithm_table writes); rows without an algorithm are measured. None
         (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
+    cuda_engine: what moves CUDA tensors: "nccl", or "gloo" (Gloo's CUDA collectives, which
+        copy through host memory and block the caller until each phase has run: far slower,
+        and no CUDA graph can capture them, but several ranks may share one GPU, which NCCL
+        refuses: how the torus's CUDA pipeline runs on a machine with one GPU). None
+        (default): the TORCH_BIGBATCH_TORUS_CUDA_ENGINE environment variable, else "nccl".
     segment_bytes: large buffers are cut into segments of this size, and the phases of
         consecutive segments overlap. None (default): cpu_segment_bytes(group size) for CPU
         tensors (2 MiB per rank, from 8 to 16 MiB: measured on one host and across emulated
@@ -94,6 +101,7 @@ class TorusOptions:
     torus_max_bytes: int | None = None
     segment_bytes: int | None = None
     table: list | str | None = None
+    cuda_engine: str | None = None
 
     def __post_init__(self):
         if self.algorithm is None:
@@ -101,6 +109,11 @@ class TorusOptions:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got "
                              f"{self.algorithm!r}")
+        if self.cuda_engine is None:
+            self.cuda_engine = os.environ.get(ENV_CUDA_ENGINE) or "nccl"
+        if self.cuda_engine not in CUDA_ENGINES:
+            raise ValueError(f"cuda_engine must be one of {', '.join(CUDA_ENGINES)}, got "
+                             f"{self.cuda_engine!r}")
         if self.segment_bytes is not None and self.segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {self.segment_bytes}")
         if self.torus_max_bytes is not None and self.torus_max_bytes < 0:
@@ -262,12 +275,14 @@ def _nccl_group(store, rank, size, timeout, threads):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gather):
+def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gather,
+             ordered_on_host=False):
     """The whole group, the row (once per row phase) and the column (once, or once per column
     phase with `column_gather` when the column has more than two ranks: a column of two
     allreduces in one exchange) of `rank`, each from its own PrefixStore. Every rank builds
     them in the same order, so Gloo's connection rendezvous (which blocks until the group's
-    members arrive) cannot deadlock."""
+    members arrive) cannot deadlock. `ordered_on_host`: the groups' Works on CUDA tensors order
+    the caller's stream only once they have run (Gloo's)."""
     x, y = rank % columns, rank // columns
 
     def group(name, group_rank, group_size, threads=1):
@@ -279,7 +294,8 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
     column = group(f"column{x}", y, rows) if rows > 1 else None
     gather = group(f"column{x}/gather", y, rows) if rows > 2 and column_gather else None
     row_gather = group(f"row{y}/gather", x, columns) if columns > 1 else None
-    return _C.TorusEngines(whole, row_scatter, column, gather, row_gather)
+    return _C.TorusEngines(whole, row_scatter, column, gather, row_gather,
+                           ordered_on_host=ordered_on_host)
 
 
 def _compare(store, rank, size, key, spec):
@@ -322,12 +338,14 @@ def _agree_on_settings(store, rank, size, options):
     if options.table:
         table = hashlib.sha1(json.dumps(options.table).encode()).hexdigest()[:12]
     spec = (f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
-            f"segment_bytes={options.segment_bytes} table={table}")
+            f"segment_bytes={options.segment_bytes} table={table} "
+            f"cuda_engine={options.cuda_engine}")
     verdict = _compare(store, rank, size, "settings", spec)
     if verdict != "agreed":
         raise ValueError(f"the ranks of a torus group disagree on its settings ({verdict}): "
-                         "pass the same TorusOptions and set TORCH_BIGBATCH_TORUS_ALGORITHM and "
-                         "TORCH_BIGBATCH_TORUS_TABLE alike on every rank")
+                         "pass the same TorusOptions and set TORCH_BIGBATCH_TORUS_ALGORITHM, "
+                         "TORCH_BIGBATCH_TORUS_TABLE and TORCH_BIGBATCH_TORUS_CUDA_ENGINE alike "
+                         "on every rank")
 
 
 def create_torus_backend(backend_options, pg_options=None):
@@ -350,7 +368,10 @@ def create_torus_backend(backend_options, pg_options=None):
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
     cuda = None
-    if torch.cuda.is_available() and dist.is_nccl_available():
+    if torch.cuda.is_available() and options.cuda_engine == "gloo":
+        cuda = _engines(functools.partial(_gloo_group, binding), store, "cuda", rank, columns,
+                        rows, timeout, column_gather=False, ordered_on_host=True)
+    elif torch.cuda.is_available() and dist.is_nccl_available():
         cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                         column_gather=False)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu", size),
