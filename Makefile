@@ -87,4 +87,7 @@ bench-gpu: gpu-build
 	    --csv $(GPU_OUT)/optimizer_$$dtype.csv || exit 1; \
 	  $(GPU_ENV) $(PYTHON) benchmarks/bench_batchnorm.py --device cuda --dtype $$dtype \
 	    --csv $(GPU_OUT)/batchnorm_$$dtype.csv || exit 1; \
-	done) > $(GPU_OUT)/bench.log 2>&1; status=$$?; cat $(GPU_OUT)/bench.log; exit $$status
+	done; \
+	$(GPU_ENV) $(PYTHON) benchmarks/bench_allreduce.py --device cuda --shapes 2x2 --rounds 3 \
+	  --csv $(GPU_OUT)/allreduce_cuda.csv) > $(GPU_OUT)/bench.log 2>&1; status=$$?; \
+	  cat $(GPU_OUT)/bench.log; exit $$status

@@ -9,10 +9,16 @@ one allreduce on rank 0, the bus bandwidth (nccl-tests' convention: bytes * 2(p-
 each algorithm's speedup over Gloo, what auto runs, and the CPU seconds of one allreduce (user
 + system, all ranks' processes, from the OS's accounting) against Gloo's.
 
+With --device cuda the tensors are on GPU 0, which every rank shares: the torus groups take
+Gloo's CUDA engine (TorusOptions.cuda_engine="gloo"; NCCL refuses two ranks on one GPU) and the
+baseline is Gloo's own CUDA allreduce. Both go through host memory, so this shows what "auto"
+picks among them on one GPU's ranks, not what NCCL across GPUs would run.
+
 Run it from the repository root:
 
     python benchmarks/bench_allreduce.py                        # 16 ranks as 4x4, 8 as 2x4
     python benchmarks/bench_allreduce.py --shapes 2x2 --sizes 4K 64M --csv allreduce.csv
+    python benchmarks/bench_allreduce.py --device cuda --shapes 2x2 4x1
 """
 
 import argparse
@@ -32,12 +38,13 @@ import torch_bigbatch  # noqa: E402
 from common import write_csv  # noqa: E402
 from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
                                         torus_algorithm_table)
+from torch_bigbatch.distributed.cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES  # noqa: E402
 from torch_bigbatch.distributed.torus import cpu_segment_bytes  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
-CSV_FIELDS = ["shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s", "speedup_vs_gloo",
-              "runs", "cpu_ms", "cpu_vs_gloo"]
+CSV_FIELDS = ["device", "shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s",
+              "speedup_vs_gloo", "runs", "cpu_ms", "cpu_vs_gloo"]
 MAX_WARM_UP_CALLS = 100  # auto decides a class after at most 4 candidates x 5 trial calls
 
 
@@ -46,7 +53,8 @@ def warm_up(tensor, name, group):
     size's algorithm is decided (every rank decides at the same call)."""
     dist.all_reduce(tensor, group=group)
     for _ in range(MAX_WARM_UP_CALLS):
-        if name == "gloo" or torus_algorithm(tensor.nbytes, group) != "measuring":
+        if name == "gloo" or torus_algorithm(tensor.nbytes, group,
+                                             tensor.device.type) != "measuring":
             return
         dist.all_reduce(tensor, group=group)
     raise RuntimeError(f"{name}: the algorithm of {tensor.nbytes} bytes is still measured after "
@@ -72,41 +80,50 @@ def cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def time_round(run, group, iters):
+def time_round(run, group, iters, device):
     """(wall seconds, CPU seconds of this process) per call of `run` over `iters` calls,
-    started together on every rank."""
+    started together on every rank, until the device has finished them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier(group=group)
     start, cpu_start = time.perf_counter(), cpu_seconds()
     for _ in range(iters):
         run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters, (cpu_seconds() - cpu_start) / iters
 
 
-def describe_choice(nbytes, group):
+def describe_choice(nbytes, group, device):
     """What a torus group runs for this size: "flat", "torus", "torus 16M" (its segment size
     where it is not the default one) or "torus 1-shot" (its one-shot form, chosen by "auto")."""
-    rows = [row for row in torus_algorithm_table(group) if row["device"] == "cpu"
+    rows = [row for row in torus_algorithm_table(group) if row["device"] == device.type
             and row["min_bytes"] <= nbytes <= row["max_bytes"]]
-    algorithm = torus_algorithm(nbytes, group)
+    algorithm = torus_algorithm(nbytes, group, device.type)
+    default_segment = (cpu_segment_bytes(dist.get_world_size(group)) if device.type == "cpu"
+                       else DEFAULT_SEGMENT_BYTES)
     if rows and algorithm == "torus" and rows[0]["one_shot"]:
         return "torus 1-shot"
-    if rows and algorithm == "torus" and rows[0]["segment_bytes"] \
-            != cpu_segment_bytes(dist.get_world_size(group)):
+    if rows and algorithm == "torus" and rows[0]["segment_bytes"] != default_segment:
         return "torus " + label(rows[0]["segment_bytes"]).replace(" ", "").removesuffix("iB")
     return algorithm
 
 
 def worker(rank, world, shape, sizes, args, port, results):
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)  # every rank: Gloo's CUDA collectives let them share it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     groups = {"gloo": dist.group.WORLD}
     for algorithm in args.algorithms:
         groups[algorithm] = dist.new_group(backend="torus", pg_options=TorusOptions(
-            shape=shape, algorithm=algorithm, segment_bytes=args.segment_bytes))
+            shape=shape, algorithm=algorithm, segment_bytes=args.segment_bytes,
+            cuda_engine="gloo" if device.type == "cuda" else None))
     rows = []
     for nbytes in sizes:
-        tensor = torch.ones(nbytes // 4)
+        tensor = torch.ones(nbytes // 4, device=device)
         iters = max(1, min(args.iters, (64 << 20) // max(nbytes, 1)))
         times, cpu = {}, {}
         for name, group in groups.items():
@@ -114,7 +131,7 @@ def worker(rank, world, shape, sizes, args, port, results):
         for _ in range(args.rounds):  # the groups take turns, so drift hits all
             for name, group in groups.items():
                 seconds, cpu_seconds_here = time_round(
-                    lambda: dist.all_reduce(tensor, group=group), group, iters)
+                    lambda: dist.all_reduce(tensor, group=group), group, iters, device)
                 times.setdefault(name, []).append(seconds)
                 cpu.setdefault(name, []).append(cpu_seconds_here)
         medians = {name: statistics.median(values) for name, values in times.items()}
@@ -125,8 +142,9 @@ def worker(rank, world, shape, sizes, args, port, results):
         cpu_ms = dict(zip(groups, (cpu_total * 1e3).tolist()))
         for name, seconds in medians.items():
             bus = nbytes * 2 * (world - 1) / world / seconds / 1e9
-            runs = "gloo" if name == "gloo" else describe_choice(nbytes, groups[name])
-            rows.append({"shape": f"{shape[0]}x{shape[1]}", "ranks": world, "bytes": nbytes,
+            runs = "gloo" if name == "gloo" else describe_choice(nbytes, groups[name], device)
+            rows.append({"device": device.type, "shape": f"{shape[0]}x{shape[1]}", "ranks": world,
+                         "bytes": nbytes,
                          "backend": name, "ms": seconds * 1e3, "bus_gb_per_s": bus,
                          "speedup_vs_gloo": medians["gloo"] / seconds, "runs": runs,
                          "cpu_ms": cpu_ms[name], "cpu_vs_gloo": cpu_ms[name] / cpu_ms["gloo"]})
@@ -151,8 +169,8 @@ def run_shape(shape, sizes, args, port):
 
 def print_table(rows):
     names = list(dict.fromkeys(row["backend"] for row in rows))
-    print(f"\n{rows[0]['ranks']} ranks as {rows[0]['shape']} (fp32 allreduce, median ms; "
-          "speedup over Gloo, and what auto ran)")
+    print(f"\n{rows[0]['ranks']} ranks as {rows[0]['shape']} ({rows[0]['device']} fp32 allreduce, "
+          "median ms; speedup over Gloo, and what auto ran)")
     header = f"{'size':>9} | " + " | ".join(f"{name + ' ms':>10}" for name in names)
     print(header + " | " + " | ".join(f"{name + ' x':>8}" for name in names[1:]))
     by_size = {}
@@ -182,9 +200,13 @@ def main():
     parser.add_argument("--algorithms", nargs="+", default=["auto", "torus"],
                         choices=("auto", "torus", "flat"), help="torus groups to time")
     parser.add_argument("--segment-bytes", type=parse_size, help="default: TorusOptions'")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every rank on GPU 0, through Gloo's CUDA collectives")
     parser.add_argument("--port", type=int, default=29655)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU is visible")
     sizes = [parse_size(size) for size in args.sizes]
     all_rows = []
     for index, spec in enumerate(args.shapes):
