@@ -88,6 +88,8 @@ bench-gpu: gpu-build
 	  $(GPU_ENV) $(PYTHON) benchmarks/bench_batchnorm.py --device cuda --dtype $$dtype \
 	    --csv $(GPU_OUT)/batchnorm_$$dtype.csv || exit 1; \
 	done; \
+	$(GPU_ENV) $(PYTHON) benchmarks/bench_training.py --device cuda \
+	  --csv $(GPU_OUT)/training.csv || exit 1; \
 	$(GPU_ENV) $(PYTHON) benchmarks/bench_allreduce.py --device cuda --shapes 2x2 --rounds 3 \
 	  --csv $(GPU_OUT)/allreduce_cuda.csv) > $(GPU_OUT)/bench.log 2>&1; status=$$?; \
 	  cat $(GPU_OUT)/bench.log; exit $$status
