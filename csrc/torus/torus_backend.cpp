@@ -94,8 +94,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   }
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
-  host_ = std::make_unique<HostPipeline>(shape_, *cpu_);
-  if (cuda_) stream_ = std::make_unique<StreamPipeline>(shape_, *cuda_, timeout_);
+  host_ = std::make_shared<HostPipeline>(shape_, *cpu_);
+  if (cuda_) stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -190,15 +190,22 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::
                                                                 const char* collective,
                                                                 const Choice& choice) {
   const at::ScalarType dtype = tensors.front().scalar_type();
-  if (tensors.front().device().is_cpu()) {
-    TORCH_CHECK(host_, "torus ", collective, ": the backend was shut down");
-    // bool reduces as bytes of 0 and 1 (HostPipeline): any (SUM, MAX, BOR) or all (the rest).
-    return host_->allreduce(std::move(tensors), dtype == at::kBool ? bool_as_byte_op(op) : op,
-                            op_type, choice.segment_bytes, choice.one_shot);
+  std::shared_ptr<HostPipeline> host;
+  std::shared_ptr<StreamPipeline> stream;
+  {
+    std::lock_guard<std::mutex> lock(pipelines_mutex_);
+    host = host_;
+    stream = stream_;
   }
-  TORCH_CHECK(stream_, "torus ", collective, ": the backend was shut down");
+  if (tensors.front().device().is_cpu()) {
+    TORCH_CHECK(host, "torus ", collective, ": the backend was shut down");
+    // bool reduces as bytes of 0 and 1 (HostPipeline): any (SUM, MAX, BOR) or all (the rest).
+    return host->allreduce(std::move(tensors), dtype == at::kBool ? bool_as_byte_op(op) : op,
+                           op_type, choice.segment_bytes, choice.one_shot);
+  }
+  TORCH_CHECK(stream, "torus ", collective, ": the backend was shut down");
   TORCH_INTERNAL_ASSERT(!choice.one_shot, "the stream pipeline has no one-shot form");
-  return stream_->allreduce(std::move(tensors), op, op_type, choice.segment_bytes);
+  return stream->allreduce(std::move(tensors), op, op_type, choice.segment_bytes);
 }
 
 namespace {
@@ -459,8 +466,15 @@ void TorusBackend::abort() {
 }
 
 void TorusBackend::shutdown() {
-  host_.reset();
-  stream_.reset();
+  std::shared_ptr<HostPipeline> host;
+  std::shared_ptr<StreamPipeline> stream;
+  {
+    std::lock_guard<std::mutex> lock(pipelines_mutex_);
+    host.swap(host_);
+    stream.swap(stream_);
+  }
+  host.reset();  // unless a call in flight holds it: then when that call returns
+  stream.reset();
   for_each_group([](c10d::Backend& group) { group.shutdown(); });
 }
 

@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 namespace torch_bigbatch::torus {
@@ -127,8 +128,11 @@ class TorusBackend : public c10d::Backend {
   const std::chrono::milliseconds timeout_;
   std::optional<Engines> cpu_, cuda_;
   AlgorithmTuner tuner_;
-  std::unique_ptr<HostPipeline> host_;
-  std::unique_ptr<StreamPipeline> stream_;
+  // Shared with the calls in flight: shutdown() drops them while another thread may be in an
+  // allreduce (a DDP hook's), which keeps its pipeline until it returns.
+  std::mutex pipelines_mutex_;  // guards host_ and stream_ themselves
+  std::shared_ptr<HostPipeline> host_;
+  std::shared_ptr<StreamPipeline> stream_;
 };
 
 }  // namespace torch_bigbatch::torus
