@@ -113,6 +113,12 @@ def allreduce_on_gpus(rank, world_size, port, shape, engine):
     large = torch.full((1000,), 40000.0, dtype=torch.float16, device=device)
     dist.all_reduce(large, op=dist.ReduceOp.AVG)
     assert torch.equal(large, torch.full_like(large, 40000.0))
+    # So does the whole group's allreduce (NCCL's AVG; for Gloo's, which sums first, the torus).
+    flat = dist.new_group(backend="torus", pg_options=TorusOptions(
+        shape=shape, algorithm="flat", cuda_engine=engine))
+    large.fill_(40000.0)
+    dist.all_reduce(large, op=dist.ReduceOp.AVG, group=flat)
+    assert torch.equal(large, torch.full_like(large, 40000.0))
     assert pipeline_calls() == checked + 1 + 1 + 1 + 20 + 1
 
     # Captured into a CUDA graph, an allreduce is the whole group's NCCL allreduce (the pipeline

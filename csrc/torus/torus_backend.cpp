@@ -278,20 +278,24 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
 // On the device the engine's own Work is the caller's (through DelegatedWork, which names its
 // failures): its wait() makes the current stream wait for the collective, its future carries
 // the device's events, and its errors and timeouts reach it. NCCL has AVG, so the one division
-// is its own. A layout NCCL refuses (a strided view) is reduced as a dense copy, copied back on
-// the calling stream after it has waited for the collective.
+// is its own; Gloo's CUDA AVG sums, then divides, so there float16 is divided first here, as
+// NCCL divides it (divide_first_if_half). A layout NCCL refuses (a strided view) is reduced as
+// a dense copy, copied back on the calling stream after it has waited for the collective.
 c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
     const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
     c10d::OpType op_type) {
   std::vector<at::Tensor> reduced = tensors;
   bool copied = false;
+  c10d::ReduceOp engine = op;
   for (auto& tensor : reduced) {
     if (!tensor.is_contiguous(tensor.suggest_memory_format())) {
       tensor = tensor.contiguous();
       copied = true;
     }
+    if (engines.ordered_on_host) engine = divide_first_if_half(tensor, op, getSize());
   }
-  c10::intrusive_ptr<c10d::Work> work = engine_allreduce(*engines.whole, reduced, op, op_type);
+  c10::intrusive_ptr<c10d::Work> work =
+      engine_allreduce(*engines.whole, reduced, engine, op_type);
   if (copied) {
     engines.follow(*work);
     for (size_t i = 0; i < reduced.size(); ++i)
