@@ -98,13 +98,13 @@ def worker(args):
         for _ in range(args.rounds):  # the algorithms take turns, so drift hits all
             for name, group in groups.items():
                 seconds[name].append(time_round(lambda: dist.all_reduce(tensor, group=group),
-                                                dist.group.WORLD, iters)[0])
+                                                dist.group.WORLD, iters, tensor.device)[0])
         for name, group in groups.items():
             sent = sent_per_call(lambda: dist.all_reduce(tensor, group=group), iters,
                                  args.interface)
             per_rank = [None] * world
             dist.all_gather_object(per_rank, sent if leader else None)
-            runs = "gloo" if name == "gloo" else describe_choice(nbytes, group)
+            runs = "gloo" if name == "gloo" else describe_choice(nbytes, group, tensor.device)
             rows.append({"bytes": nbytes, "algorithm": name, "runs": runs,
                          "ms": statistics.median(seconds[name]) * 1e3,
                          "sent_per_node": {hosts[r]: per_rank[r] for r in range(world)
