@@ -58,6 +58,8 @@ test-cuda-build: $(FASHION_MNIST)
 # the run's `carry`, found there through TORCH_BIGBATCH_FASHION_MNIST. Where that machine's pip
 # or setuptools cannot make the editable install, gpu-build builds in place (PYTHONPATH finds it).
 GPU_OUT ?= runs/gpu
+# What test-gpu selects; GPU_MARKS=cuda runs the CUDA tests alone, where device time is short.
+GPU_MARKS ?= cuda or not slow
 GPU_DATA := .gpu-data/fashion-mnist
 GPU_ENV := TORCH_BIGBATCH_FASHION_MNIST=$(CURDIR)/$(GPU_DATA) PYTHONUNBUFFERED=1 \
   PYTHONPATH=$(CURDIR)
@@ -77,7 +79,7 @@ gpu-build:
 	      || (tail -50 $(GPU_OUT)/build_inplace.log; exit 1))
 
 test-gpu: gpu-build
-	$(GPU_ENV) $(PYTHON) -m pytest -m "cuda or not slow" -rs -p no:cacheprovider \
+	$(GPU_ENV) $(PYTHON) -m pytest -m "$(GPU_MARKS)" -rs -p no:cacheprovider \
 	  --junitxml=$(GPU_OUT)/junit.xml > $(GPU_OUT)/test.log 2>&1; status=$$?; \
 	  tail -40 $(GPU_OUT)/test.log; exit $$status
 
