@@ -37,8 +37,8 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
   TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
   TORCH_CHECK(op.op_ != c10d::ReduceOp::BAND && op.op_ != c10d::ReduceOp::BOR &&
                   op.op_ != c10d::ReduceOp::BXOR,
-              "torus allreduce: NCCL has no bitwise reductions; ReduceOp BAND, BOR and BXOR "
-              "work on CPU tensors");
+              "torus allreduce: the CUDA pipeline has no bitwise reductions (NCCL has none); "
+              "ReduceOp BAND, BOR and BXOR work on CPU tensors");
   std::lock_guard<std::mutex> ordered(enqueue_mutex_);
   context_->check_usable();
   const c10::Device device = inputs.front().device();
