@@ -331,6 +331,35 @@ def test_a_callback_may_wait_for_another_allreduce(world_size, interop_threads):
         assert result == (1000 * total, total, total)
 
 
+def callbacks_that_wait(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=20)
+    # Two calls still running when their callbacks are added, so the callbacks run where the
+    # calls end (not on this thread), both at once; each waits for another allreduce. Equal
+    # values: whichever pairing two ranks' nested calls get, the sums are the same.
+    bigs = [torch.full((4_000_000,), float(rank + 1)) for _ in range(2)]
+    smalls = [torch.full((1000,), float(rank + 1)) for _ in range(2)]
+
+    def waits_for(small):
+        def callback(future):
+            dist.all_reduce(small, async_op=True).get_future().wait()
+            return small.sum().item()
+        return callback
+
+    chained = [dist.all_reduce(big, async_op=True).get_future().then(waits_for(small))
+               for big, small in zip(bigs, smalls)]
+    return [future.wait() for future in chained], [big[0].item() for big in bigs]
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "torus"])
+def test_callbacks_may_wait_for_allreduces_whatever_the_algorithm(algorithm):
+    # The whole group's own allreduce ("flat", which "auto" may pick) too: its callbacks once ran
+    # on Gloo's two worker threads, and two callbacks waiting there left no thread for the
+    # allreduces they waited for (nor for the tuner's agreement when a nested call decided).
+    total = 2 * 3 / 2
+    for result in run_ranks(callbacks_that_wait, 2, algorithm, deadline=60):
+        assert result == ([1000 * total] * 2, [total] * 2)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_with_powersgd_hook_matches_gloo(world_size):
     results = run_ranks(powersgd_training, world_size, deadline=90)
@@ -721,6 +750,39 @@ def test_a_rank_that_issues_late_does_not_count_its_lag():
     [row] = results[0][1]
     assert row["source"] == "measured", row
     assert all(0 < candidate["seconds"] < LAG / 2 for candidate in row["candidates"]), row
+
+
+def decision_without_a_peer(rank, world_size, port):
+    """Rank 1 makes the trial calls of a size class but not the one that decides it: rank 0's
+    agreement allreduce times out."""
+    init(rank, world_size, port, seconds=3)
+    for _ in range(15):  # 3 candidates x 5 trial calls
+        dist.all_reduce(torch.ones(1000))
+    if rank == 1:
+        time.sleep(12)  # keeps its connections until rank 0 is done
+        return None
+    messages = []
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1000))
+        except RuntimeError as error:
+            messages.append((time.monotonic() - start, str(error)))
+    return messages
+
+
+@pytest.mark.slow
+def test_a_failed_decision_leaves_the_backend_unusable():
+    """A decision whose agreement failed leaves it queued on some ranks and not on others: a
+    later call must not post to the group again (it once decided anew, a second agreement out of
+    step with the other ranks' collectives)."""
+    (first_seconds, first), (later_seconds, later) = run_ranks(decision_without_a_peer, 2,
+                                                               deadline=60)[0]
+    assert "choosing the algorithm of cpu allreduces over 2 KiB up to 4 KiB failed" in first, first
+    assert 2 < first_seconds < 3 + 5, first_seconds
+    assert later.startswith("torus allreduce: the backend is unusable after an earlier failure: "
+                            "torus allreduce: choosing the algorithm"), later
+    assert later_seconds < 1, later_seconds
 
 
 def decision_log(rank, world_size, port, folder):

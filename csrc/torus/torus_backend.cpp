@@ -5,7 +5,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 
 namespace torch_bigbatch::torus {
 namespace {
@@ -236,18 +235,13 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce(const Engines& engi
 
 // On the host the torus divides AVG (Gloo has no AVG) and reduces contiguous copies of
 // non-contiguous tensors (Gloo reads them as if they were contiguous: a wrong result), written
-// back when the engine is done; the Work completes after that. Otherwise Gloo's own Work is the
-// caller's (no thread handoff between Gloo's end and a waiting caller).
+// back when the engine is done; the Work completes after that, on a callback thread, as the
+// pipelines' do: a callback of Gloo's own Work would run on one of the group's two worker
+// threads, and two callbacks that wait for another allreduce there (PowerSGD's hook does; so
+// does the tuner's agreement when the nested call decides its size class) hung for ever.
 c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
     const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
     c10d::OpType op_type) {
-  const bool as_is = op.op_ != c10d::ReduceOp::AVG &&
-                     std::all_of(tensors.begin(), tensors.end(),
-                                 [](const at::Tensor& tensor) { return tensor.is_contiguous(); });
-  if (as_is) {
-    return c10::make_intrusive<DelegatedWork>(
-        engine_allreduce(*engines.whole, tensors, op, op_type), whole_group_failure("allreduce"));
-  }
   std::vector<at::Tensor> reduced = tensors;
   c10d::ReduceOp finish_op = op;
   for (auto& tensor : reduced) {
