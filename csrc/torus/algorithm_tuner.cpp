@@ -199,6 +199,10 @@ std::optional<Choice> AlgorithmTuner::chosen(c10::DeviceType device, int64_t byt
 
 AlgorithmTuner::Call AlgorithmTuner::begin(c10::Device device, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_) {
+    TORCH_CHECK(false, "torus allreduce: the backend is unusable after an earlier failure: ",
+                message_of(failure_));
+  }
   const DeviceTuning& tuning = this->tuning(device.type());
   const std::optional<Choice> fixed = fixed_choice(tuning, bytes);
   Call call = fixed ? Call{*fixed, nullptr} : measured_call(device, bytes, tuning);
@@ -297,9 +301,14 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
     agree_->allreduce(agreed, options)->wait(timeout_);
     best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + count);
   } catch (...) {
-    TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
-                describe_class(device, size_class), " failed: ",
-                message_of(std::current_exception()));
+    try {
+      TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
+                  describe_class(device, size_class), " failed: ",
+                  message_of(std::current_exception()));
+    } catch (...) {
+      failure_ = std::current_exception();
+      throw;
+    }
   }
   // The flat allreduce (candidate 0, the engine's own) keeps the class unless a torus beats it
   // by kFlatMargin: trials of four calls on a shared machine miss the steady state by up to a

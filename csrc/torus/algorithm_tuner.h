@@ -145,8 +145,11 @@ class AlgorithmTuner {
   const std::chrono::milliseconds timeout_;
   const int calls_per_candidate_;  // trials: the first a warm-up
 
-  mutable std::mutex mutex_;  // guards classes_ and counts_ (held by a decision)
+  mutable std::mutex mutex_;  // guards classes_, counts_ and failure_ (held by a decision)
   std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;
+  // A decision that failed: its agreement allreduce may still be queued on some ranks and not on
+  // others, so no later call may post to the group again (every begin() raises it).
+  std::exception_ptr failure_;
   std::map<std::string, int64_t> counts_;
   std::mutex streams_mutex_;  // guards timing_streams_
   std::map<c10::DeviceIndex, c10::Stream> timing_streams_;
