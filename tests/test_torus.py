@@ -752,6 +752,27 @@ def test_a_rank_that_issues_late_does_not_count_its_lag():
     assert all(0 < candidate["seconds"] < LAG / 2 for candidate in row["candidates"]), row
 
 
+def overlapping_then_plain(rank, world_size, port):
+    init(rank, world_size, port, TorusOptions(algorithm="torus"), seconds=10)
+    try:
+        dist.all_reduce(torch.ones(1).expand(4))
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    numbers = torch.ones(4)
+    dist.all_reduce(numbers)
+    return message, numbers.tolist()
+
+
+def test_an_expanded_view_is_refused_before_anything_is_sent():
+    """Its result cannot be written back; found only after the exchanges, that failed the call
+    and left the backend unusable on every rank."""
+    for message, numbers in run_ranks(overlapping_then_plain, 2, deadline=60):
+        assert message is not None and "elements share memory (an expanded view)" in message, \
+            message
+        assert numbers == [2.0] * 4
+
+
 def decision_without_a_peer(rank, world_size, port):
     """Rank 1 makes the trial calls of a size class but not the one that decides it: rank 0's
     agreement allreduce times out."""

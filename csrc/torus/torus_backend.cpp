@@ -3,6 +3,7 @@
 #include "torus/delegated_work.h"
 #include "torus/local_reduce.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 
@@ -138,6 +139,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   for (const auto& tensor : tensors) {
     TORCH_CHECK(tensor.layout() == at::kStrided, "torus ", collective,
                 ": tensors must be dense, got layout ", tensor.layout());
+    // (an expanded view: its result could not be written back, after every rank had sent)
+    TORCH_CHECK(at::has_internal_overlap(tensor) != at::MemOverlap::Yes, "torus ", collective,
+                ": a tensor whose elements share memory (an expanded view) cannot hold a result; "
+                "pass a copy (.clone())");
     TORCH_CHECK(tensor.scalar_type() == first.scalar_type() && tensor.device() == first.device(),
                 "torus ", collective, ": every tensor must have the dtype and device of the "
                 "first (", first.scalar_type(), " on ", first.device(), "), got ",
