@@ -1,5 +1,6 @@
 """Benchmark one optimizer step over ResNet-50's parameters: torch_bigbatch.optim.SGD against
-torch.optim.SGD with foreach=True and with fused=True, all measured in the same run.
+torch.optim.SGD with foreach=True and with fused=True, and torch_bigbatch.optim.LARS, all
+measured in the same run.
 
 Every variant steps its own copy of ResNet-50's 161 parameter tensors (25,557,032 elements)
 with random gradients, lr 0.1, momentum 0.9, weight decay 1e-4 and Nesterov momentum, after one
@@ -28,6 +29,8 @@ VARIANTS = {
     "torch foreach": lambda params: torch.optim.SGD(params, foreach=True, **HYPERPARAMETERS),
     "torch fused": lambda params: torch.optim.SGD(params, fused=True, **HYPERPARAMETERS),
     "torch_bigbatch": lambda params: torch_bigbatch.optim.SGD(params, **HYPERPARAMETERS),
+    # Every tensor's two norms, then the same update: the target is <= 1.3x the SGD step.
+    "torch_bigbatch LARS": lambda params: torch_bigbatch.optim.LARS(params, **HYPERPARAMETERS),
 }
 BASELINE = "torch fused"
 COPY_BYTES = 512 * 2**20
@@ -83,14 +86,18 @@ def bench_device(shapes, device, dtype, min_run_time, rounds):
 
 
 def print_table(rows, copies):
-    header = (f"{'device':<6} {'variant':<15} {'ms/step':>9} {'vs fused':>9} "
+    header = (f"{'device':<6} {'variant':<19} {'ms/step':>9} {'vs fused':>9} "
               f"{'GB/s':>7} {'% copy':>7}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['device']:<6} {row['variant']:<15} {row['ms_per_step']:>9.3f} "
+        print(f"{row['device']:<6} {row['variant']:<19} {row['ms_per_step']:>9.3f} "
               f"{row['speedup_vs_torch_fused']:>8.2f}x {row['gb_per_s']:>7.0f} "
               f"{row['pct_of_copy']:>6.1f}%")
+    for device in copies:
+        ms = {row["variant"]: row["ms_per_step"] for row in rows if row["device"] == device}
+        print(f"{device} LARS step / SGD step: "
+              f"{ms['torch_bigbatch LARS'] / ms['torch_bigbatch']:.2f}x")
     for device, copy in copies.items():
         print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
 
