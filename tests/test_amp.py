@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_bigbatch as bb
-from conftest import DEVICES
+from conftest import CUDA, DEVICES, needs_cuda
 
 
 def model_and_batch(device):
@@ -66,36 +66,56 @@ def test_inf_gradient_skips_the_step(device, unscale_first):
     assert scaler.get_scale() == 128.0  # the scaler saw the inf and backed off
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def on_cuda(dtype):
+    return pytest.param("cuda", dtype, marks=[CUDA, needs_cuda], id=f"cuda-{dtype}")
+
+
+# GradScaler unscales float16 and bfloat16 gradients on the CPU, float16 alone on CUDA (torch's
+# _amp_foreach_non_finite_check_and_unscale_cuda has no bfloat16 kernel: bfloat16 needs no
+# scaler there).
+SCALED_DTYPES = [*(pytest.param("cpu", dtype, id=f"cpu-{dtype}")
+                   for dtype in (torch.float32, torch.float16, torch.bfloat16)),
+                 on_cuda(torch.float32), on_cuda(torch.float16)]
+# torch rounds float16/bfloat16 math at every op, we once per value: float16 within two ulps of
+# the value (at least of 1), bfloat16 within two and a half ulps at 1 (the wrong first-step
+# rule is off by lr * dampening * d, about 0.05 * |g|).
+TOLERANCES = {torch.float32: dict(rtol=1e-6, atol=1e-7),
+              torch.float16: dict(rtol=2**-9, atol=2**-9),
+              torch.bfloat16: dict(rtol=0, atol=2e-2)}
+
+
+@pytest.mark.parametrize("device, dtype", SCALED_DTYPES)
 @pytest.mark.parametrize("skipped", [1, 2], ids=["first_skipped", "first_two_skipped"])
 def test_skipped_first_steps_then_first_step_as_torch(device, dtype, skipped):
     """GradScaler skips the first steps (inf gradients); the first step that runs initialises
-    the momentum buffers (b = d), as torch.optim.SGD's, whose step GradScaler skips on the host.
+    the momentum buffers (b = d), as torch.optim.SGD's does when its first steps are skipped.
     With dampening, a zero buffer treated as an old one would give b = (1 - dampening) d. Then
-    a checkpoint taken while a step is still pending keeps that state. (torch rounds bf16 math
-    to bf16, we compute in float: a tolerance of two bf16 ulps at 1, where the wrong rule is off
-    by lr * dampening * d, about 0.05 * |g|.)"""
+    a checkpoint taken while a step is still pending keeps that state."""
     model, x, y = model_and_batch(device)
     model.to(dtype)
     reference = [p.detach().clone().requires_grad_() for p in model.parameters()]
     kwargs = dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=1e-3)
     optimizer = bb.optim.SGD(model.parameters(), **kwargs)
-    expected_optimizer = torch.optim.SGD(reference, **kwargs)
-    scalers = [torch.amp.GradScaler(device, init_scale=64.0) for _ in range(2)]
-    tolerance = dict(rtol=0, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
+    # The oracle: torch's for-loop step on the true gradients, not run where GradScaler would
+    # skip it (GradScaler itself refuses to unscale float16 gradients for torch's SGD; torch's
+    # foreach step, its default on CUDA, rounds bf16 apart from the loop by up to two ulps).
+    expected_optimizer = torch.optim.SGD(reference, foreach=False, **kwargs)
+    scaler = torch.amp.GradScaler(device, init_scale=64.0)
+    tolerance = TOLERANCES[dtype]
     for step in range(skipped + 3):
         grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
                  .to(device, dtype) for i, p in enumerate(reference)]
         if step < skipped:
             grads[0][0, 0] = float("inf")
-        for params, opt, scaler in [(list(model.parameters()), optimizer, scalers[0]),
-                                    (reference, expected_optimizer, scalers[1])]:
-            scale = scaler.scale(torch.ones((), device=device))
-            for p, g in zip(params, grads):
-                p.grad = g * scale  # as scaler.scale(loss).backward() would
-            scaler.step(opt)
-            scaler.update()
+        scale = scaler.scale(torch.ones((), device=device))  # a power of two: exact in any dtype
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g * scale  # as scaler.scale(loss).backward() would
+        scaler.step(optimizer)
+        scaler.update()
+        if step >= skipped:
+            for r, g in zip(reference, grads):
+                r.grad = g
+            expected_optimizer.step()
         if step == skipped - 1:  # still pending: a checkpoint keeps it, on any device
             saved = optimizer.state_dict()
             optimizer = bb.optim.SGD(model.parameters(), **kwargs)
