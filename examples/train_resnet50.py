@@ -132,6 +132,9 @@ def get_args_parser():
     # torch's generators take seeds below 2**64; the sampler adds the epoch.
     parser.add_argument("--seed", default=0, type=checked(int, lambda n: 0 <= n < 2**63,
                                                           "must be an integer in [0, 2**63)"))
+    # As in torchvision's reference recipe: a resumed CUDA run then repeats a straight one.
+    parser.add_argument("--use-deterministic-algorithms", action="store_true",
+                        help="only deterministic kernels (cuDNN's, cuBLAS's), slower on CUDA")
     parser.add_argument("--timeout", default=300,
                         type=checked(float, lambda x: math.isfinite(x) and x > 0,
                                      "must be a positive number of seconds"),
@@ -561,6 +564,10 @@ def main(args):
                   f"{args.output})", flush=True)
         return
 
+    if args.use_deterministic_algorithms:
+        # cuBLAS is deterministic only with a fixed workspace, set before its first call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:  # share the cores among this node's ranks

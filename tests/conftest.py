@@ -25,7 +25,8 @@ def assert_relative_close(actual, expected, tolerance, what=""):
 
 
 # The tests of the CUDA-build environment (tests/cuda_build_env.py sets this): there they must
-# run, anywhere else they are skipped with the reason.
+# run, anywhere else they are skipped with the reason. Those also marked cuda need a GPU, and
+# run wherever one is (a GPU machine has torch's CUDA build and torchvision).
 IN_CUDA_BUILD_ENV = os.environ.get("TORCH_BIGBATCH_TEST_ENV") == "cuda-build"
 
 
@@ -35,5 +36,6 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="runs in the CUDA-build environment of `make test` (torch's "
                             "CUDA build with torchvision: tests/cuda_build_env.py)")
     for item in items:
-        if "cuda_build" in item.keywords:
+        if "cuda_build" in item.keywords and not ("cuda" in item.keywords
+                                                   and torch.cuda.is_available()):
             item.add_marker(skip)

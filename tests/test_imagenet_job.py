@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import CUDA, needs_cuda
 from train_job import torchrun
 
 import torch_bigbatch as bb
@@ -21,6 +22,7 @@ TRAIN_PER_CLASS, VAL_PER_CLASS = 32, 8
 JOB = ["--dataset", "imagenet", "--batch-per-rank", "32", "--base-lr", "0.05",
        "--train-crop-size", "64", "--val-resize-size", "72", "--val-crop-size", "64",
        "--print-every", "1", "--epochs", "3"]
+CPU_JOB = [*JOB, "--cpu"]  # also where a GPU is visible (two ranks would need two)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,20 @@ def checkpoint(output):
     return torch.load(os.path.join(output, "checkpoint.pt"), weights_only=False)
 
 
+def assert_same_end(straight, split):
+    """Two runs' checkpoints hold the same weights, momenta and metrics, bit for bit."""
+    a, b = checkpoint(straight), checkpoint(split)
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for index, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"],
+                           b["optimizer"]["state"][index]["momentum_buffer"]), index
+    for row, same in zip(a["metrics"], b["metrics"], strict=True):
+        assert row["test_loss"] == same["test_loss"]
+        assert row["test_accuracy"] == same["test_accuracy"]
+
+
 def test_the_jpeg_folder_is_what_imagefolder_expects(image_folder):
     from torchvision import datasets
     train = datasets.ImageFolder(os.path.join(image_folder, "train"))
@@ -64,7 +80,7 @@ def test_the_jpeg_folder_is_what_imagefolder_expects(image_folder):
 
 def test_imagenet_job_trains_evaluates_and_resumes_bit_for_bit(image_folder, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    stdout = torchrun([*JOB, "--data", image_folder, "--output", straight], timeout=600)
+    stdout = torchrun([*CPU_JOB, "--data", image_folder, "--output", straight], timeout=600)
     assert "resnet50 on imagenet (320 images), 2 x cpu, backend torus (2x1)" in stdout, stdout
     rows = metrics(straight)
     assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
@@ -80,29 +96,48 @@ def test_imagenet_job_trains_evaluates_and_resumes_bit_for_bit(image_folder, tmp
     print(f"JPEG run: step losses {losses}; per epoch {rows}")
 
     # Stopped mid-epoch 2 (step 2 of 5), resumed: the crops, the steps and the end are the same.
-    stdout = torchrun([*JOB, "--data", image_folder, "--output", split, "--stop-after-steps",
+    stdout = torchrun([*CPU_JOB, "--data", image_folder, "--output", split, "--stop-after-steps",
                        "7"], timeout=600)
     assert "stopped after 7 steps" in stdout
-    stdout = torchrun([*JOB, "--data", image_folder, "--output", split, "--resume"],
+    stdout = torchrun([*CPU_JOB, "--data", image_folder, "--output", split, "--resume"],
                       timeout=600)
     assert "resumed at epoch 2 step 2" in stdout
-    a, b = checkpoint(straight), checkpoint(split)
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for index, state in a["optimizer"]["state"].items():
-        assert torch.equal(state["momentum_buffer"],
-                           b["optimizer"]["state"][index]["momentum_buffer"]), index
-    for row, same in zip(a["metrics"], b["metrics"], strict=True):
-        assert row["test_loss"] == same["test_loss"]
-        assert row["test_accuracy"] == same["test_accuracy"]
+    assert_same_end(straight, split)
 
 
 def test_torchvisions_resnet50_in_the_job(image_folder, tmp_path):
     output = str(tmp_path / "run")
-    stdout = torchrun([*JOB, "--data", image_folder, "--output", output, "--model",
+    stdout = torchrun([*CPU_JOB, "--data", image_folder, "--output", output, "--model",
                        "torchvision.resnet50", "--epochs", "1", "--workers", "0"], timeout=600)
     assert "torchvision.resnet50 on imagenet" in stdout and "finished after epoch 1" in stdout
     state = checkpoint(output)["model"]
     # Local BatchNorm's buffers and torchvision's names: a state dict of the same keys as ours.
     assert state.keys() == bb.models.resnet50(num_classes=CLASSES).state_dict().keys()
+
+
+@CUDA
+@needs_cuda
+def test_imagenet_job_on_one_gpu_trains_and_resumes_bit_for_bit(image_folder, tmp_path):
+    """The GPU path: JPEG files through pinned loader batches, channels_last, bf16 autocast, the
+    fused CUDA kernels, DDP over the torus; with deterministic kernels a run stopped mid-epoch
+    and resumed ends as the straight run does."""
+    job = [*JOB, "--data", image_folder, "--workers", "2", "--use-deterministic-algorithms"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    stdout = torchrun([*job, "--output", straight], processes=1, timeout=300)
+    assert "resnet50 on imagenet (320 images), 1 x cuda, backend torus" in stdout, stdout
+    rows = metrics(straight)
+    assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"]), rows
+    for row in rows:
+        assert 0.0 <= float(row["test_accuracy"]) <= 1.0 and float(row["test_loss"]) > 0
+    state = checkpoint(straight)
+    assert state["model"]["conv1.weight"].dtype == torch.float32  # autocast keeps fp32 weights
+    print(f"CUDA JPEG run: per epoch {rows}")
+
+    # 10 steps an epoch: stopped at epoch 2 step 3, resumed.
+    stdout = torchrun([*job, "--output", split, "--stop-after-steps", "13"], processes=1,
+                      timeout=300)
+    assert "stopped after 13 steps" in stdout
+    stdout = torchrun([*job, "--output", split, "--resume"], processes=1, timeout=300)
+    assert "resumed at epoch 2 step 3" in stdout
+    assert_same_end(straight, split)
