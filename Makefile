@@ -6,7 +6,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 APT := $(shell [ "$$(id -u)" = 0 ] || echo sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py') setup.py pyproject.toml
 
-.PHONY: install demo demo-cluster test test-cuda-build gpu-data gpu-build test-gpu bench-gpu
+.PHONY: install demo demo-cluster test test-cuda-build gpu-data gpu-build test-gpu bench-gpu gpu-probe
 
 # torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch.
 $(BUILD)/installed: $(SOURCES)
@@ -78,10 +78,18 @@ gpu-build:
 	      $(PYTHON) setup.py build_ext --inplace > $(GPU_OUT)/build_inplace.log 2>&1 \
 	      || (tail -50 $(GPU_OUT)/build_inplace.log; exit 1))
 
+# With pytest-xdist (the GPU machines have it) in 4 workers: a test that crashes its process
+# then fails alone instead of ending the run.
 test-gpu: gpu-build
-	$(GPU_ENV) $(PYTHON) -m pytest -m "$(GPU_MARKS)" -rs -p no:cacheprovider \
+	$(GPU_ENV) $(PYTHON) -m pytest -m "$(GPU_MARKS)" -rfEs -p no:cacheprovider --tb=short \
+	  $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 4") \
 	  --junitxml=$(GPU_OUT)/junit.xml > $(GPU_OUT)/test.log 2>&1; status=$$?; \
 	  tail -40 $(GPU_OUT)/test.log; exit $$status
+
+# What a GPU machine's toolchain does to C++ exceptions and where the crashes seen there stop
+# (tests/gpu_probe.py): probe.log in GPU_OUT. About 4 minutes.
+gpu-probe: gpu-build
+	$(GPU_ENV) $(PYTHON) tests/gpu_probe.py $(GPU_OUT)
 
 bench-gpu: gpu-build
 	(for dtype in float32 bfloat16; do \
