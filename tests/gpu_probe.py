@@ -65,6 +65,7 @@ FACTS = [
     "grep -m1 'model name' /proc/cpuinfo",
     "python3 -c 'import torch; print(torch.__config__.show())' | head -12",
     "ldd torch_bigbatch/_C*.so | grep -v torch/lib",
+    "env | grep -iE 'torch|nccl|cuda|gloo|ld_|python' | sort",
 ]
 
 
@@ -105,6 +106,12 @@ def main():
                                ("the torus, one rank, a CUDA tensor", TORUS_CUDA)):
             run(log, title, [sys.executable, "-X", "faulthandler", "-c", program])
             native_stack(log, title + ", under cuda-gdb", program)
+            # C++ stack traces on: torch then walks every exception's stack with its own
+            # unwinder (torch::CapturedTraceback), not libgcc's.
+            for show in ("0", "1"):
+                run(log, f"{title}, TORCH_SHOW_CPP_STACKTRACES={show}",
+                    [sys.executable, "-X", "faulthandler", "-c", program],
+                    env={**os.environ, "TORCH_SHOW_CPP_STACKTRACES": show})
         # The package without AVX-512 flags, built in a copy (the checkout's build stays).
         with tempfile.TemporaryDirectory() as copy:
             shutil.copytree(ROOT, copy, dirs_exist_ok=True,
