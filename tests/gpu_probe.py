@@ -59,13 +59,15 @@ except RuntimeError as error:
     print("raised:", str(error).splitlines()[0])
 """
 FACTS = [
-    "g++ --version | head -1", "nvcc --version | tail -2", "ldd --version | head -1",
+    "which c++ g++ gcc nvcc; c++ --version | head -1", "nvcc --version | tail -2",
+    "ldd --version | head -1",
     "python3 -c 'import sysconfig; print(sysconfig.get_config_var(\"CFLAGS\"))'",
     "grep -m1 -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\\n' ' '",
     "grep -m1 'model name' /proc/cpuinfo",
     "python3 -c 'import torch; print(torch.__config__.show())' | head -12",
     "ldd torch_bigbatch/_C*.so | grep -v torch/lib",
-    "env | grep -iE 'torch|nccl|cuda|gloo|ld_|python' | sort",
+    "env | grep -iE 'torch|nccl|cuda|gloo|ld_|python|path|flags|cxx|^cc=' | sort",
+    "python3 -c 'import torch.utils.cpp_extension as e; print(e.include_paths(), e.CUDA_HOME)'",
 ]
 
 
@@ -119,7 +121,8 @@ def main():
             env = {**os.environ, "TORCH_BIGBATCH_CPU_CAPABILITY": "default", "PYTHONPATH": copy}
             run(log, "build without AVX-512 flags", textwrap.dedent(f"""\
                 {sys.executable} setup.py build_ext --inplace > build.log 2>&1; status=$?
-                tail -3 build.log; exit $status"""), cwd=copy, env=env, timeout=300)
+                grep -m1 -o "c++ -MMD.*local_bn_op.cpp.*" build.log | cut -c1-4000
+                tail -3 build.log | cut -c1-500; exit $status"""), cwd=copy, env=env, timeout=300)
             for title, program in (("our op's TORCH_CHECK, no AVX-512 flags", BN_THROW),
                                    ("the torus, CUDA tensor, no AVX-512 flags", TORUS_CUDA)):
                 run(log, title, [sys.executable, "-X", "faulthandler", "-c", program], cwd=copy,
