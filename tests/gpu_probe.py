@@ -35,16 +35,16 @@ try:
 except RuntimeError as error:
     print("raised:", str(error).splitlines()[0])
 """
-TORUS_CUDA = """
-import os, torch, torch.distributed as dist, torch_bigbatch
+TORUS = """
+import os, sys, torch, torch.distributed as dist, torch_bigbatch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631")
 dist.init_process_group("torus", rank=0, world_size=1)
-tensor = torch.arange(10.0, device="cuda")
+tensor = torch.arange(10.0, device=DEVICE)
 dist.all_reduce(tensor)
-torch.cuda.synchronize()
 print("allreduced:", tensor.tolist())
 dist.destroy_process_group()
 """
+TORUS_CPU, TORUS_CUDA = (f"DEVICE = {device!r}\n" + TORUS for device in ("cpu", "cuda"))
 INLINE_OP = """
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -104,6 +104,8 @@ def main():
             inline = f"BUILD = {build!r}\n" + INLINE_OP
             run(log, "a minimal op of torch's kind, TORCH_CHECK failing", [sys.executable, "-c",
                                                                               inline])
+        run(log, "the torus, one rank, a CPU tensor", [sys.executable, "-X", "faulthandler", "-c",
+                                                       TORUS_CPU])
         for title, program in (("our op's TORCH_CHECK failing", BN_THROW),
                                ("the torus, one rank, a CUDA tensor", TORUS_CUDA)):
             run(log, title, [sys.executable, "-X", "faulthandler", "-c", program])
