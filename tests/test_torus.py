@@ -953,3 +953,21 @@ def test_cuda_and_cpu_tensors_at_world_size_one():
     """One GPU: NCCL runs one rank, so this is the CUDA test a one-GPU machine can run."""
     on_gpu, on_cpu = run_ranks(cuda_world_of_one, 1)[0]
     assert on_gpu == on_cpu == [float(i) for i in range(10)]
+
+
+def wait_then_read_the_future(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=20)
+    data = torch.full((4_000_000,), float(rank + 1))  # still running when wait() is called
+    work = dist.all_reduce(data, async_op=True)
+    then = work.get_future().then(lambda future: future.value()[0][0].item())
+    work.wait()
+    # The Work ends after its future and the future's callbacks: all done once wait() returned.
+    return work.is_completed(), work.get_future().done(), then.done(), then.value()
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "torus"])
+def test_the_future_and_its_callbacks_are_done_when_wait_returns(algorithm):
+    """wait() ends the Work on the waiting thread itself (one thread handoff fewer than on a
+    callback thread), after the future and its callbacks, as Gloo's Works end."""
+    for result in run_ranks(wait_then_read_the_future, 2, algorithm, deadline=60):
+        assert result == (True, True, True, 3.0)

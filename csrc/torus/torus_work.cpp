@@ -3,6 +3,7 @@
 #include "torus/callback_threads.h"
 
 #include <c10/core/StreamGuard.h>
+#include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
 
@@ -32,22 +33,57 @@ void TorusWork::fail(const std::exception_ptr& error) {
 }
 
 void TorusWork::end(std::exception_ptr error) {
-  run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this),
-              error = std::move(error)] {
-    std::optional<c10::StreamGuard> on_completion;
-    if (self->completion_) on_completion.emplace(*self->completion_);
-    try {  // a callback that throws must not leave wait() waiting
-      if (error) {
-        self->future_->setError(error);
-      } else {
-        self->future_->markCompleted(c10::IValue(self->outputs_));
-      }
-    } catch (...) {
-      self->finish(error ? error : std::current_exception());
-      return;
+  bool waited;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = std::move(error);
+    ended_ = true;
+    waited = waiting_ > 0;  // a waiter that times out first leaves 0 behind (wait())
+  }
+  cv_.notify_all();
+  if (!waited)
+    run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)] {
+      self->deliver();
+    });
+}
+
+void TorusWork::deliver() {
+  if (delivered_.exchange(true)) return;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error = error_;
+  }
+  std::optional<c10::StreamGuard> on_completion;
+  if (completion_) on_completion.emplace(*completion_);
+  try {  // a callback that throws must not leave wait() waiting
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
     }
-    self->finish(error);
-  });
+  } catch (...) {
+    finish(error ? error : std::current_exception());
+    return;
+  }
+  finish(error);
+}
+
+bool TorusWork::wait(std::chrono::milliseconds timeout) {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ++waiting_;
+    const auto ended = [this] { return ended_; };  // completed_ comes later (deliver())
+    if (timeout == kNoTimeout) {
+      cv_.wait(lock, ended);
+    } else {
+      cv_.wait_for(lock, timeout, ended);
+    }
+    --waiting_;
+    TORCH_CHECK(ended_, "Operation timed out!");  // as c10d::Work::wait says it
+  }
+  deliver();  // here, unless another thread is at it: then the wait below is for its end
+  return c10d::Work::wait(kNoTimeout);
 }
 
 }  // namespace torch_bigbatch::torus

@@ -21,27 +21,39 @@ class TorusWork : public c10d::Work {
             std::optional<c10::Stream> completion = std::nullopt);
 
   // The first of complete() and fail() settles the Work (a later failure of the backend finds
-  // it done). Either returns at once: the Work ends on a callback thread
-  // (callback_threads.h), where its future's callbacks run, never on the thread that saw the
-  // collective end. A callback may wait for another collective (PowerSGD's DDP hook does),
-  // and on a thread of the torus it would wait for that very thread, for ever.
+  // it done). Either returns at once: the Work ends, and its future's callbacks run, on a
+  // thread that waits for it in wait(), or else on a callback thread (callback_threads.h),
+  // never on the thread that saw the collective end. A callback may wait for another
+  // collective (PowerSGD's DDP hook does), and on a thread of the torus it would wait for that
+  // very thread, for ever.
   void complete();
   virtual void fail(const std::exception_ptr& error);
   bool settled() const { return settled_; }
+
+  // c10d::Work::wait, except that the waiting thread ends the Work itself once the collective
+  // has ended: one thread handoff fewer than through a callback thread.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
 
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  protected:
   bool claim() { return !settled_.exchange(true); }  // true for the first caller only
-  void end(std::exception_ptr error);                // after claim(): on a callback thread
+  void end(std::exception_ptr error);                // after claim()
 
   const std::vector<at::Tensor> outputs_;
 
  private:
+  void deliver();  // settles the future, then the Work: once, on whichever thread comes first
+
   const std::optional<c10::Stream> completion_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> settled_{false};
+  std::atomic<bool> delivered_{false};
+  // Under c10d::Work's mutex_: end() has run (with error_), and the threads inside wait().
+  bool ended_ = false;
+  std::exception_ptr error_;
+  int waiting_ = 0;
 };
 
 }  // namespace torch_bigbatch::torus
