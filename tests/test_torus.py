@@ -801,7 +801,7 @@ def test_a_failed_decision_leaves_the_backend_unusable():
                                                                deadline=60)[0]
     assert "choosing the algorithm of cpu allreduces over 2 KiB up to 4 KiB failed" in first, first
     assert 2 < first_seconds < 3 + 5, first_seconds
-    assert later.startswith("torus allreduce: the backend is unusable after an earlier failure: "
+    assert later.startswith("torus backend is unusable after an earlier failure: "
                             "torus allreduce: choosing the algorithm"), later
     assert later_seconds < 1, later_seconds
 
@@ -971,3 +971,35 @@ def test_the_future_and_its_callbacks_are_done_when_wait_returns(algorithm):
     callback thread), after the future and its callbacks, as Gloo's Works end."""
     for result in run_ranks(wait_then_read_the_future, 2, algorithm, deadline=60):
         assert result == (True, True, True, 3.0)
+
+
+FLAT_SMALL_TORUS_LARGE = [
+    {"device": "cpu", "min_bytes": 2049, "max_bytes": 4096, "algorithm": "flat"},
+    {"device": "cpu", "min_bytes": 262145, "max_bytes": 524288, "algorithm": "torus",
+     "segment_bytes": 1 << 20, "one_shot": False}]
+
+
+def failed_torus_then_flat(rank, world_size, port):
+    """A torus call whose ranks pass different dtypes (the same bytes) fails on both; then a
+    call of a class pinned to the whole group's own allreduce."""
+    init(rank, world_size, port, TorusOptions(shape=(2, 1), table=FLAT_SMALL_TORUS_LARGE),
+         seconds=10)
+    outcomes = []
+    for tensor in (torch.ones(100_000, dtype=torch.int32 if rank == 0 else torch.float32),
+                   torch.ones(1000)):
+        try:
+            dist.all_reduce(tensor)
+            outcomes.append("completed")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+@pytest.mark.slow
+def test_after_a_failure_every_path_refuses():
+    """One failure state for the backend: after a failed torus call, the whole group's own
+    allreduce is refused too (it once ran, though the groups' sequences may differ by then)."""
+    for failed, flat in run_ranks(failed_torus_then_flat, 2, deadline=60):
+        assert "the ranks passed different buffers" in failed, failed
+        assert flat.startswith("torus backend is unusable after an earlier failure: "), flat
+        assert "the ranks passed different buffers" in flat, flat

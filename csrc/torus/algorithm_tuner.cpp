@@ -119,13 +119,15 @@ int size_class_of(int64_t bytes) {
 AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
                                std::vector<PinnedClass> pinned,
                                c10::intrusive_ptr<c10d::Backend> agree,
-                               std::chrono::milliseconds timeout, int calls_per_candidate)
+                               std::chrono::milliseconds timeout,
+                               std::shared_ptr<BackendFailure> failure, int calls_per_candidate)
     : rank_(rank),
       cpu_(cpu),
       cuda_(cuda),
       agree_(std::move(agree)),
       timeout_(timeout),
-      calls_per_candidate_(calls_per_candidate) {
+      calls_per_candidate_(calls_per_candidate),
+      failure_(std::move(failure)) {
   TORCH_CHECK(calls_per_candidate_ >= 2, "torus: the tuner needs a warm-up call and a timed one");
   for (const auto& entry : pinned) {
     TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
@@ -199,10 +201,7 @@ std::optional<Choice> AlgorithmTuner::chosen(c10::DeviceType device, int64_t byt
 
 AlgorithmTuner::Call AlgorithmTuner::begin(c10::Device device, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (failure_) {
-    TORCH_CHECK(false, "torus allreduce: the backend is unusable after an earlier failure: ",
-                message_of(failure_));
-  }
+  failure_->check_usable();  // under the lock: also after a decision that failed meanwhile
   const DeviceTuning& tuning = this->tuning(device.type());
   const std::optional<Choice> fixed = fixed_choice(tuning, bytes);
   Call call = fixed ? Call{*fixed, nullptr} : measured_call(device, bytes, tuning);
@@ -306,7 +305,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
                   describe_class(device, size_class), " failed: ",
                   message_of(std::current_exception()));
     } catch (...) {
-      failure_ = std::current_exception();
+      failure_->record(std::current_exception());
       throw;
     }
   }

@@ -28,6 +28,8 @@
 // the algorithm (or pin a table).
 #pragma once
 
+#include "torus/backend_failure.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
@@ -100,10 +102,11 @@ int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
 class AlgorithmTuner {
  public:
   // rank: for the decision's log line (rank 0 prints it); agree: the whole CPU group, for the
-  // one MIN allreduce of each decision; timeout: how long a decision waits for its trials.
+  // one MIN allreduce of each decision; timeout: how long a decision waits for its trials;
+  // failure: the backend's, which a failed decision records (begin() refuses after any).
   AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
-                 int calls_per_candidate = 5);
+                 std::shared_ptr<BackendFailure> failure, int calls_per_candidate = 5);
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.
@@ -145,11 +148,11 @@ class AlgorithmTuner {
   const std::chrono::milliseconds timeout_;
   const int calls_per_candidate_;  // trials: the first a warm-up
 
-  mutable std::mutex mutex_;  // guards classes_, counts_ and failure_ (held by a decision)
-  std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;
   // A decision that failed: its agreement allreduce may still be queued on some ranks and not on
-  // others, so no later call may post to the group again (every begin() raises it).
-  std::exception_ptr failure_;
+  // others, so no later call may post to the group again.
+  const std::shared_ptr<BackendFailure> failure_;
+  mutable std::mutex mutex_;  // guards classes_ and counts_ (held by a decision)
+  std::map<std::pair<c10::DeviceType, int>, ClassState> classes_;
   std::map<std::string, int64_t> counts_;
   std::mutex streams_mutex_;  // guards timing_streams_
   std::map<c10::DeviceIndex, c10::Stream> timing_streams_;

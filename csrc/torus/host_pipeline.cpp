@@ -92,13 +92,7 @@ struct HostPipeline::Context {
   // issue some) then post one after another. Gloo pairs the messages of a peer and tag in
   // the order they were posted, so interleaved calls would pair one call's part with another's.
   std::mutex issuing;
-  std::mutex mutex;
-  std::exception_ptr failure;  // the first one: the backend is unusable after it
-
-  std::exception_ptr first_failure() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return failure;
-  }
+  std::shared_ptr<BackendFailure> failure;  // the backend's: unusable after the first
 };
 
 namespace {
@@ -159,10 +153,7 @@ using SegmentPtr = std::shared_ptr<Segment>;
 using Stage = void (*)(const ContextPtr&, const SegmentPtr&);
 
 void fail(const ContextPtr& context, Call& call, const std::exception_ptr& error) {
-  {
-    std::lock_guard<std::mutex> lock(context->mutex);
-    if (!context->failure) context->failure = error;
-  }
+  context->failure->record(error);
   call.work->fail(error);
 }
 
@@ -185,7 +176,7 @@ void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
       TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index, segment->count,
                                           message_of(error)));
     }
-    if (auto failure = context->first_failure()) std::rethrow_exception(failure);
+    if (auto failure = context->failure->first()) std::rethrow_exception(failure);
     next(context, segment);
   } catch (...) {
     abandon_receives(*segment);
@@ -613,10 +604,12 @@ void finish(const ContextPtr& context, const SegmentPtr& segment) {
 
 }  // namespace
 
-HostPipeline::HostPipeline(TorusShape shape, Engines engines)
+HostPipeline::HostPipeline(TorusShape shape, Engines engines,
+                           std::shared_ptr<BackendFailure> failure)
     : context_(std::make_shared<Context>()) {
   context_->shape = shape;
   context_->engines = std::move(engines);
+  context_->failure = std::move(failure);
 }
 
 c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> inputs,
@@ -625,13 +618,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   TORCH_CHECK(one_shot || segment_bytes > 0, "torus: segment_bytes must be positive, got ",
               segment_bytes);
   std::lock_guard<std::mutex> issuing(context_->issuing);
-  if (const std::exception_ptr failure = context_->first_failure()) {
-    try {
-      std::rethrow_exception(failure);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "torus backend is unusable after an earlier failure: ", e.what());
-    }
-  }
+  context_->failure->check_usable();  // also where another call failed since the backend checked
   const TorusShape& shape = context_->shape;
   auto call = std::make_shared<Call>();
   call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs);

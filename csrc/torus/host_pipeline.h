@@ -30,6 +30,7 @@
 // written by then, as plain Gloo writes them.
 #pragma once
 
+#include "torus/backend_failure.h"
 #include "torus/scratch_pool.h"
 #include "torus/topology.h"
 #include "torus/torus_work.h"
@@ -49,7 +50,7 @@ constexpr int64_t kOneShotBytes = 256 << 10;
 
 class HostPipeline {
  public:
-  HostPipeline(TorusShape shape, Engines engines);
+  HostPipeline(TorusShape shape, Engines engines, std::shared_ptr<BackendFailure> failure);
 
   // Reduces `inputs` (one dtype, CPU) in place: one tensor for allreduce, several for
   // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes,
@@ -58,7 +59,7 @@ class HostPipeline {
                                            c10d::OpType op_type, int64_t segment_bytes,
                                            bool one_shot);
 
-  struct Context;  // what the phases' callbacks share: shape, engines, scratch, first failure
+  struct Context;  // what the phases' callbacks share: shape, engines, scratch, the failure
 
  private:
   std::shared_ptr<Context> context_;

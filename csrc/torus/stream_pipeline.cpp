@@ -12,8 +12,10 @@
 
 namespace torch_bigbatch::torus {
 StreamPipeline::StreamPipeline(TorusShape shape, Engines engines,
-                               std::chrono::milliseconds timeout)
-    : engines_(std::move(engines)), context_(std::make_shared<PipelineContext>(shape, timeout)) {
+                               std::chrono::milliseconds timeout,
+                               std::shared_ptr<BackendFailure> failure)
+    : engines_(std::move(engines)),
+      context_(std::make_shared<PipelineContext>(shape, timeout, std::move(failure))) {
   if (shape.columns > 1) active_.push_back(0);
   if (shape.rows > 1) active_.push_back(1);
   if (shape.columns > 1) active_.push_back(2);
@@ -40,7 +42,7 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
               "torus allreduce: the CUDA pipeline has no bitwise reductions (NCCL has none); "
               "ReduceOp BAND, BOR and BXOR work on CPU tensors");
   std::lock_guard<std::mutex> ordered(enqueue_mutex_);
-  context_->check_usable();
+  context_->failure->check_usable();
   const c10::Device device = inputs.front().device();
   const DeviceStreams& streams = streams_for(device);
   DeviceWork device_work(device.type());
@@ -268,7 +270,7 @@ void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
         prepare_watcher(work->device());
         work->poll();
         older_running = !work->settled();
-      } else if (auto failure = context_->failure()) {
+      } else if (auto failure = context_->failure->first()) {
         work->fail(failure);
       }
     } catch (...) {

@@ -72,7 +72,8 @@ namespace torch_bigbatch::torus {
 
 class StreamPipeline {
  public:
-  StreamPipeline(TorusShape shape, Engines engines, std::chrono::milliseconds timeout);
+  StreamPipeline(TorusShape shape, Engines engines, std::chrono::milliseconds timeout,
+                 std::shared_ptr<BackendFailure> failure);
   ~StreamPipeline();
   StreamPipeline(const StreamPipeline&) = delete;
   StreamPipeline& operator=(const StreamPipeline&) = delete;

@@ -7,22 +7,6 @@
 #include <tuple>
 
 namespace torch_bigbatch::torus {
-void PipelineContext::record_failure(const std::exception_ptr& error) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!failure_) failure_ = error;
-}
-
-std::exception_ptr PipelineContext::failure() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return failure_;
-}
-
-void PipelineContext::check_usable() const {
-  if (auto error = failure()) {
-    TORCH_CHECK(false, "torus backend is unusable after an earlier failure: ", message_of(error));
-  }
-}
-
 std::exception_ptr PipelineContext::phase_failed(Phase phase, int64_t segment, int64_t segments,
                                                  const std::exception_ptr& cause) const {
   return std::make_exception_ptr(C10_BUILD_ERROR(
@@ -49,14 +33,14 @@ void StreamWork::poll() {
   const bool done = device_done();
   if (auto error = disagreement()) return fail(error);
   if (auto error = failed_phase()) return fail(error);
-  if (auto error = context_->failure()) return fail(error);
+  if (auto error = context_->failure->first()) return fail(error);
   if (done) return complete();
   if (Clock::now() >= deadline_) fail(timed_out(context_->timeout));
 }
 
 void StreamWork::fail(const std::exception_ptr& error) {
   if (!claim()) return;
-  context_->record_failure(error);  // before the future's callbacks can issue another allreduce
+  context_->failure->record(error);  // before the future's callbacks can issue another allreduce
   end(error);
 }
 

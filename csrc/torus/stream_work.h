@@ -4,6 +4,7 @@
 // and a future that completes with the output tensors or with the named error.
 #pragma once
 
+#include "torus/backend_failure.h"
 #include "torus/topology.h"
 #include "torus/torus_work.h"
 
@@ -21,16 +22,12 @@
 namespace torch_bigbatch::torus {
 
 // What the Works of one pipeline share: the shape that names their phases, their timeout, and
-// the pipeline's first failure, after which it refuses every allreduce (the groups' collective
-// sequences may differ between ranks then).
+// the backend's failure state (after a failure it refuses every allreduce).
 class PipelineContext {
  public:
-  PipelineContext(TorusShape shape, std::chrono::milliseconds timeout)
-      : shape(shape), timeout(timeout) {}
-
-  void record_failure(const std::exception_ptr& error);  // keeps the first
-  std::exception_ptr failure() const;
-  void check_usable() const;  // throws after a failure, naming it
+  PipelineContext(TorusShape shape, std::chrono::milliseconds timeout,
+                  std::shared_ptr<BackendFailure> failure)
+      : shape(shape), timeout(timeout), failure(std::move(failure)) {}
 
   // The errors of a phase of segment `segment` (0-based) of `segments`, named as on the host
   // pipeline (topology.h).
@@ -41,10 +38,7 @@ class PipelineContext {
 
   const TorusShape shape;
   const std::chrono::milliseconds timeout;
-
- private:
-  mutable std::mutex mutex_;
-  std::exception_ptr failure_;
+  const std::shared_ptr<BackendFailure> failure;
 };
 
 // One collective of one segment, as its engine returned it.

@@ -79,7 +79,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       cpu_(std::move(cpu)),
       cuda_(std::move(cuda)),
       tuner_(shape.rank, on_host(settings.cpu), on_device(settings.cuda, cuda_),
-             std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout) {
+             std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout,
+             failure_) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
               shape_.rows, " does not match the group size ", size);
   TORCH_CHECK(cpu_, "torus: the CPU engines (Gloo) are missing: the tuner agrees through them");
@@ -94,8 +95,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   }
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
-  host_ = std::make_shared<HostPipeline>(shape_, *cpu_);
-  if (cuda_) stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_);
+  host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_);
+  if (cuda_) stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -159,6 +160,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
     TORCH_CHECK(!at::isFloatingType(dtype) && !at::isComplexType(dtype), "torus ", collective,
                 ": bitwise ReduceOps need an integer or bool tensor, got ", dtype);
   }
+  failure_->check_usable();  // every path, the whole group's own allreduce too
   const Engines& engines = engines_for(first.device().type(), collective);
   const bool on_host = first.device().is_cpu();
   // Also a call captured into a CUDA graph (NCCL's allreduce can be captured, the pipeline and

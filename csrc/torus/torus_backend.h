@@ -127,6 +127,8 @@ class TorusBackend : public c10d::Backend {
   const TorusShape shape_;
   const std::chrono::milliseconds timeout_;
   std::optional<Engines> cpu_, cuda_;
+  // The first failure of any allreduce: the tuner and both pipelines record it and refuse after.
+  const std::shared_ptr<BackendFailure> failure_ = std::make_shared<BackendFailure>();
   AlgorithmTuner tuner_;
   // Shared with the calls in flight: shutdown() drops them while another thread may be in an
   // allreduce (a DDP hook's), which keeps its pipeline until it returns.
