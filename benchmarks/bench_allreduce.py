@@ -24,6 +24,7 @@ Run it from the repository root:
 import argparse
 import datetime
 import os
+import queue
 import resource
 import statistics
 import time
@@ -161,7 +162,19 @@ def run_shape(shape, sizes, args, port):
                                                       results)) for rank in range(world)]
     for process in processes:
         process.start()
-    rows = results.get(timeout=1800)  # a rank that died leaves no row: fail, do not hang
+    give_up = time.monotonic() + 1800
+    while True:  # a rank that died leaves no row: fail at once, do not hang
+        try:
+            rows = results.get(timeout=1)
+            break
+        except queue.Empty:
+            died = {rank: process.exitcode for rank, process in enumerate(processes)
+                    if process.exitcode not in (None, 0)}
+            if died or time.monotonic() > give_up:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"{shape[0]}x{shape[1]}: ranks ended without a result "
+                                   f"(exit codes {died})" if died else "no result in 30 min")
     for process in processes:
         process.join()
     return rows
