@@ -1003,3 +1003,29 @@ def test_after_a_failure_every_path_refuses():
         assert "the ranks passed different buffers" in failed, failed
         assert flat.startswith("torus backend is unusable after an earlier failure: "), flat
         assert "the ranks passed different buffers" in flat, flat
+
+
+def wait_past_a_timeout_then_again(rank, world_size, port):
+    """Rank 1 issues 2 s late: rank 0's wait(timeout=0.3 s) ends first, then the call ends with
+    nobody waiting (a callback thread settles it), and a second wait() reads the result."""
+    init(rank, world_size, port, TorusOptions(algorithm="torus"), seconds=20)
+    if rank == 1:
+        time.sleep(2)
+    data = torch.full((1000,), float(rank + 1))
+    work = dist.all_reduce(data, async_op=True)
+    timed_out = None
+    if rank == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.3))
+        except RuntimeError as error:
+            timed_out = str(error)
+        time.sleep(3)  # the call ends meanwhile, with no thread in wait()
+    work.wait()
+    return timed_out, work.is_completed(), work.get_future().done(), data[0].item()
+
+
+@pytest.mark.slow
+def test_a_wait_that_times_out_leaves_the_call_to_end():
+    (timed_out, *rank0), (_, *rank1) = run_ranks(wait_past_a_timeout_then_again, 2, deadline=60)
+    assert timed_out is not None and "timed out" in timed_out, timed_out
+    assert rank0 == rank1 == [True, True, 3.0]

@@ -6,7 +6,6 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
-
 namespace torch_bigbatch::torus {
 namespace {
 

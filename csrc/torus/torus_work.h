@@ -1,6 +1,7 @@
-// The Work a torus collective returns: wait (with timeout), isCompleted, exception and result
-// come from c10d::Work, and getFuture holds the output tensors, as DDP's reducer expects. The
-// device pipeline's StreamWork derives from it.
+// The Work a torus collective returns: isCompleted, exception and result come from c10d::Work,
+// wait (with timeout) too, except that the waiting thread ends the Work itself; getFuture
+// holds the output tensors, as DDP's reducer expects. The device pipeline's StreamWork derives
+// from it (with its own wait).
 #pragma once
 
 #include <ATen/core/ivalue.h>
