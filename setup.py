@@ -45,6 +45,38 @@ def check_build_tools():
                      f"setuptools {setuptools.__version__}: {remedy}, then install again")
 
 
+def links_shared_libstdcxx(compiler):
+    """Whether `compiler` links libstdc++ as the shared library (False: its own copy, or
+    libc++); None where it cannot say (no such compiler: the build itself then says so)."""
+    try:
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return os.path.isabs(found)  # a compiler without one echoes the bare name
+
+
+def check_cxx_runtime():
+    """torch throws C++ exceptions (a failing TORCH_CHECK) through this package's frames and
+    catches them in its own: both must use the process's one shared libstdc++. An extension
+    linked with its own copy crashes (SIGSEGV) at the first such error: seen on a GPU machine
+    whose CXX was a g++ without libstdc++.so, where torch's own load_inline crashed too. The
+    compiler is the one torch's build uses, CXX or c++."""
+    if platform.system() != "Linux":
+        return
+    compiler = os.environ.get("CXX", "c++")
+    if links_shared_libstdcxx(compiler) is not False:
+        return
+    others = [name for name in ("g++", "c++", "/usr/bin/g++")
+              if shutil.which(name) and links_shared_libstdcxx(name)]
+    remedy = (f"for example CXX={others[0]} CUDAHOSTCXX={others[0]}" if others
+              else "install one (the distribution's g++)")
+    raise SystemExit(f"torch_bigbatch: the C++ compiler {compiler} (CXX) has no shared libstdc++: "
+                     "it would link its own copy into the extension, and torch's C++ errors would "
+                     f"then crash the process instead of raising; build with one that has: "
+                     f"{remedy}")
+
+
 def sources(pattern):
     return sorted(glob.glob(os.path.join("csrc", "**", pattern), recursive=True))
 
@@ -168,6 +200,7 @@ def extension(cuda):
 
 
 check_build_tools()
+check_cxx_runtime()
 CUDA = with_cuda()
 from torch.utils.cpp_extension import BuildExtension  # noqa: E402  (reads CUDA_HOME)
 

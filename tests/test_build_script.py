@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_setup_with(tmp_path, setuptools_version, wheel, command="dist_info"):
+def run_setup_with(tmp_path, setuptools_version, wheel, command="dist_info", env=None):
     """setup.py `command` (dist_info: pip's first step) with a stand-in setuptools of that
     version (no bdist_wheel of its own) and a stand-in wheel package or none; its setup() ends
     the run if the build gets there."""
@@ -29,7 +29,8 @@ def run_setup_with(tmp_path, setuptools_version, wheel, command="dist_info"):
     code = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); {hide_wheel}"
             f"sys.argv = ['setup.py', {command!r}]; runpy.run_path('setup.py')")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TORCH_BIGBATCH_CPU_ONLY": "1"})
+                          timeout=120,
+                          env={**os.environ, "TORCH_BIGBATCH_CPU_ONLY": "1", **(env or {})})
 
 
 @pytest.mark.parametrize("version,wheel,named,remedy", [
@@ -49,3 +50,21 @@ def test_a_build_in_place_needs_no_wheel(tmp_path):
     """`setup.py build_ext --inplace` (make gpu-build's fallback) builds no wheel: not refused."""
     result = run_setup_with(tmp_path, "63.2.0", wheel=False, command="build_ext")
     assert "torch_bigbatch: building needs" not in result.stderr, result.stderr
+
+
+def test_a_compiler_that_links_its_own_libstdcxx_is_refused(tmp_path):
+    """A CXX without a shared libstdc++ (a GPU machine's was one) would build an extension whose
+    first failing TORCH_CHECK crashes the process: setup.py names it and a compiler that works."""
+    static_gxx = tmp_path / "static-g++"  # answers as such a g++ does, builds nothing
+    static_gxx.write_text('#!/bin/sh\ncase "$1" in -print-file-name=*) '
+                          'echo "${1#-print-file-name=}";; *) exit 1;; esac\n')
+    static_gxx.chmod(0o755)
+    result = run_setup_with(tmp_path, "80.0.0", wheel=True, command="build_ext",
+                            env={"CXX": str(static_gxx)})
+    assert result.returncode != 0 and "setup() was reached" not in result.stderr
+    assert f"the C++ compiler {static_gxx} (CXX) has no shared libstdc++" in result.stderr
+    assert "for example CXX=g++ CUDAHOSTCXX=g++" in result.stderr, result.stderr
+    # This machine's own compiler passes.
+    plain = run_setup_with(tmp_path / "plain", "80.0.0", wheel=True, command="build_ext",
+                           env={"CXX": "g++"})
+    assert "has no shared libstdc++" not in plain.stderr, plain.stderr
