@@ -251,7 +251,9 @@ def one_gpu(rank, world_size, port):
     work.wait()  # the current stream waits; the host does not
     result["sum"] = tensor.sum().item()  # a host read after the stream
     torch.cuda.synchronize()
-    result["completed after"] = work.is_completed() and work.is_success()
+    # (Work.is_success and Work.exception are deprecated: NCCL's raises, Python cannot read
+    # the other's result; a second wait raises if the Work failed.)
+    result["completed after"] = work.is_completed() and work.wait()
     # AVG divides once: the mean of ones is one.
     ones = torch.ones(1000, device=device)
     dist.all_reduce(ones, op=dist.ReduceOp.AVG)
@@ -262,6 +264,15 @@ def one_gpu(rank, world_size, port):
     expected = view.clone()
     dist.all_reduce(view)
     result["view"] = torch.equal(view, expected) and torch.equal(matrix[:, 1::3], untouched)
+    # Handed on as they are: run synchronously, NCCL returns no Work (torch >= 2.8).
+    source = torch.arange(6.0, device=device)
+    dist.broadcast(source, src=0)
+    gathered = torch.empty(6, device=device)
+    dist.all_gather_into_tensor(gathered, source)
+    dist.barrier()
+    asynchronous = dist.broadcast(source, src=0, async_op=True)
+    asynchronous.wait()
+    result["handed on"] = torch.equal(gathered, torch.arange(6.0, device=device))
     dist.destroy_process_group()
     return result
 
@@ -272,4 +283,4 @@ def one_gpu(rank, world_size, port):
 def test_one_gpu_allreduce_completes_with_the_stream_and_averages_once():
     result = run_ranks(one_gpu, 1, deadline=120)[0]
     assert result == {"completed while the stream sleeps": False, "sum": float(1 << 20),
-                      "completed after": True, "avg": [1.0], "view": True}
+                      "completed after": True, "avg": [1.0], "view": True, "handed on": True}

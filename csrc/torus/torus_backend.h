@@ -102,6 +102,9 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> delegate(c10::DeviceType device, const char* collective,
                                           Call&& call) {
     c10::intrusive_ptr<c10d::Work> work = call(*engines_for(device, collective).whole);
+    // No Work: the engine ran it on the caller's stream already (NCCL for asyncOp=false, from
+    // torch 2.8); torch.distributed then waits for nothing, and neither do we.
+    if (!work) return work;
     return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure(collective));
   }
   c10::intrusive_ptr<c10d::Work> torus_allreduce(std::vector<at::Tensor> tensors,
