@@ -9,6 +9,7 @@ import importlib.util
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,14 +47,17 @@ def check_build_tools():
 
 
 def links_shared_libstdcxx(compiler):
-    """Whether `compiler` links libstdc++ as the shared library (False: its own copy, or
-    libc++); None where it cannot say (no such compiler: the build itself then says so)."""
+    """Whether `compiler` (a command line, as torch's build takes CXX: "ccache g++" too) links
+    libstdc++ as the shared library (False: its own copy, or libc++); None where it cannot say
+    (no such compiler, or one that does not answer: the build itself then says what it can)."""
     try:
-        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True,
-                               text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+        answer = subprocess.run([*shlex.split(compiler), "-print-file-name=libstdc++.so"],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
-    return os.path.isabs(found)  # a compiler without one echoes the bare name
+    if answer.returncode != 0 or not answer.stdout.strip():
+        return None
+    return os.path.isabs(answer.stdout.strip())  # a compiler without one echoes the bare name
 
 
 def check_cxx_runtime():

@@ -64,6 +64,11 @@ def test_a_compiler_that_links_its_own_libstdcxx_is_refused(tmp_path):
     assert result.returncode != 0 and "setup() was reached" not in result.stderr
     assert f"the C++ compiler {static_gxx} (CXX) has no shared libstdc++" in result.stderr
     assert "for example CXX=g++ CUDAHOSTCXX=g++" in result.stderr, result.stderr
+    # Behind a wrapper, as torch's build runs CXX ("ccache g++"): the same answer.
+    wrapped = run_setup_with(tmp_path / "wrapped", "80.0.0", wheel=True, command="build_ext",
+                             env={"CXX": f"env {static_gxx}"})
+    assert f"the C++ compiler env {static_gxx} (CXX) has no shared libstdc++" in wrapped.stderr, \
+        wrapped.stderr
     # This machine's own compiler passes.
     plain = run_setup_with(tmp_path / "plain", "80.0.0", wheel=True, command="build_ext",
                            env={"CXX": "g++"})
