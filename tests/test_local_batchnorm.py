@@ -159,6 +159,19 @@ def test_gradcheck(shape, group_size, channels_last):
     assert torch.autograd.gradcheck(function, (x, weight, bias))
 
 
+def test_double_backward_raises_instead_of_returning_zeros():
+    """A gradient of the gradient (a gradient penalty) is refused when it reaches the op, as
+    torch's once_differentiable functions do; the first gradient with create_graph still runs."""
+    x = torch.randn(4, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    layer = bb.nn.LocalBatchNorm2d(2, group_size=4).double()
+    reference = nn.BatchNorm2d(2).double()
+    first, = torch.autograd.grad(layer(x).pow(3).sum(), x, create_graph=True)
+    expected, = torch.autograd.grad(reference(x).pow(3).sum(), x)
+    torch.testing.assert_close(first, expected)  # one group of the whole batch: BatchNorm2d
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(first.pow(2).sum(), x)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])

@@ -66,3 +66,15 @@ def _local_batch_norm_backward(ctx, grad_output, *_statistics):
 
 torch.library.register_autograd("torch_bigbatch::local_batch_norm", _local_batch_norm_backward,
                                 setup_context=_local_batch_norm_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("local_batch_norm supports no double backward (create_graph=True and then "
+                       "a gradient of its gradient); use nn.BatchNorm2d for that")
+
+
+# Without it autograd would pass zeros through the backward op (with a warning), so a gradient
+# of the gradient would come out silently wrong; torch's once_differentiable raises instead, as
+# this does, when the second backward reaches it.
+torch.library.register_autograd("torch_bigbatch::local_batch_norm_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
