@@ -125,3 +125,26 @@ def test_skipped_first_steps_then_first_step_as_torch(device, dtype, skipped):
     for p, r in zip(model.parameters(), reference):
         torch.testing.assert_close(optimizer.state[p]["momentum_buffer"],
                                    expected_optimizer.state[r]["momentum_buffer"], **tolerance)
+
+
+def test_checkpoint_with_a_pending_first_step_loads_into_torch_sgd():
+    """A checkpoint taken after GradScaler skipped the only step so far has no momentum buffer
+    for torch.optim.SGD to take for a started one: with dampening, its first real step then
+    equals torch's own (b = g), not (1 - dampening) g."""
+    kwargs = dict(lr=1.0, momentum=0.9, dampening=0.5)
+    p = torch.zeros(3, requires_grad=True)
+    optimizer = bb.optim.SGD([p], **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    p.grad = torch.tensor([1.0, float("inf"), 1.0]) * scaler.scale(torch.ones(()))
+    scaler.step(optimizer)
+    scaler.update()
+    saved = optimizer.state_dict()
+    assert "momentum_buffer" not in saved["state"].get(0, {})
+    assert "momentum_buffer" in optimizer.state[p]  # the optimizer's own state is kept
+    q = torch.zeros(3, requires_grad=True)
+    loaded = torch.optim.SGD([q], **kwargs)
+    loaded.load_state_dict(saved)
+    q.grad = torch.ones(3)
+    loaded.step()
+    torch.testing.assert_close(q.detach(), torch.full((3,), -1.0))
+

@@ -88,3 +88,11 @@ def test_lars_works_with_param_groups_of_a_model():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_lars_refuses_a_trust_coefficient_of_zero():
+    """0 would step the group as plain SGD (the kernel's mark of an excluded group), where the
+    formula gives no step at all: refused, pointing at lars_exclude."""
+    with pytest.raises(ValueError, match="lars_exclude"):
+        bb.optim.LARS([torch.zeros(2, requires_grad=True)], lr=0.1, trust_coefficient=0.0)
+

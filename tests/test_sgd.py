@@ -325,3 +325,53 @@ def test_torch_sgd_constructor_flags():
         bb.optim.SGD(params, lr=0.1, momentum=0.9, **flags)
     with pytest.raises(ValueError, match="differentiable=True"):
         bb.optim.SGD(params, lr=0.1, differentiable=True)
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    """torch.optim.SGD warns and steps it twice; one fused launch would update it from two
+    threads at once (results changed from run to run), so it is refused with a clear error."""
+    p = torch.zeros(5, requires_grad=True)
+    with pytest.raises(ValueError, match="more than once"):
+        bb.optim.SGD([p, p], lr=0.1)
+    optimizer = bb.optim.SGD([p], lr=0.1)
+    with pytest.raises(ValueError, match="more than once"):
+        optimizer.add_param_group({"params": (q for q in [torch.ones(2), p, p])})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_a_step_that_raises_leaves_the_state_as_it_was():
+    """A parameter the kernel refuses (not dense: every other column of a matrix) raises
+    naming it by its group; no zero momentum buffer is left behind, so once it is replaced by
+    a dense one the step is torch.optim.SGD's first step (with dampening a leftover buffer
+    would halve it)."""
+    kwargs = dict(lr=1.0, momentum=0.9, dampening=0.5)
+    ok = torch.zeros(3, requires_grad=True)
+    bad = torch.zeros(4, 8)[:, ::2].requires_grad_()
+    optimizer = bb.optim.SGD([{"params": [ok]}, {"params": [ok.new_zeros(0), bad]}], **kwargs)
+    ok.grad, bad.grad = torch.ones(3), torch.ones(4, 4)
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[1\]"):
+        optimizer.step()
+    assert "momentum_buffer" not in optimizer.state[bad]
+    expected = torch.zeros(4, 4, requires_grad=True)
+    expected.grad = torch.ones(4, 4)
+    torch.optim.SGD([expected], **kwargs).step()
+    dense = bad.detach().contiguous().requires_grad_()
+    dense.grad = torch.ones(4, 4)
+    optimizer.param_groups[1]["params"][1] = dense
+    optimizer.state[dense] = optimizer.state.pop(bad)
+    optimizer.step()
+    torch.testing.assert_close(dense.detach(), expected.detach(), rtol=0, atol=0)
+
+
+def test_param_groups_find_biases_by_name():
+    """Biases named otherwise than "bias" (attention's in_proj_bias and bias_k, the RNNs'
+    bias_ih_l0) get no weight decay either."""
+    model = torch.nn.ModuleList([torch.nn.MultiheadAttention(4, 2, add_bias_kv=True),
+                                 torch.nn.LSTM(4, 4)])
+    decay, no_decay = bb.optim.param_groups(model, weight_decay=1e-4)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in no_decay["params"]) == [
+        "0.bias_k", "0.bias_v", "0.in_proj_bias", "0.out_proj.bias", "1.bias_hh_l0",
+        "1.bias_ih_l0"]
+    assert all("weight" in names[id(p)] for p in decay["params"])
+

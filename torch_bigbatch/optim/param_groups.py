@@ -22,7 +22,9 @@ def param_groups(model, weight_decay):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if isinstance(module, _NORM_LAYERS) or name == "bias":
+            # "bias" as a word of the name: also nn.MultiheadAttention's in_proj_bias and
+            # bias_k, and the RNNs' bias_ih_l0.
+            if isinstance(module, _NORM_LAYERS) or "bias" in name.split("_"):
                 no_decay.append(param)
             else:
                 decay.append(param)

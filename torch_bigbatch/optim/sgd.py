@@ -5,6 +5,8 @@ once, so ResNet-50's 161 parameters are stepped by a single launch (torch's fuse
 most 48 tensors per launch with momentum). The same kernel serves LARS (see lars.py).
 """
 
+import re
+
 import torch
 from torch.optim import Optimizer
 
@@ -68,6 +70,21 @@ class _Launch:
         self.first_step = first_step
         self.pending = pending  # the buffers' shared _PENDING flag, or None
         self.params, self.grads, self.buffers, self.group_of_tensor = [], [], [], []
+        self.places = []  # per tensor: (group index, index in the group), for error messages
+
+    def run(self, **arguments):
+        """The launch's kernel; an error names the parameter as param_groups does, not by its
+        place in this launch."""
+        try:
+            torch.ops.torch_bigbatch.sgd_step_(self.params, self.grads, self.buffers,
+                                               self.group_of_tensor, **arguments)
+        except (RuntimeError, ValueError, TypeError) as error:
+            def place(match):
+                group, index = self.places[int(match.group(2))]
+                return f"{match.group(0)} (param_groups[{group}]['params'][{index}])"
+            error.args = (re.sub(r"\b(params|grads|momentum_buffers)\[(\d+)\]", place,
+                                 str(error), count=1),) + error.args[1:]
+            raise
 
 
 class _FusedSGD(Optimizer):
@@ -81,7 +98,16 @@ class _FusedSGD(Optimizer):
 
     def add_param_group(self, param_group):
         _check_group({**self.defaults, **param_group})
-        super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if not isinstance(params, set):  # torch.optim refuses sets with its own message
+            params = list(params)
+            # torch.optim warns and steps such a parameter twice; one launch would update it
+            # from two threads (or blocks) at once, a race with no defined result.
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError(f"{type(self).__name__}: a parameter group lists a parameter "
+                                 "more than once; list each parameter once")
+        super().add_param_group({**param_group, "params": params})
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -108,7 +134,7 @@ class _FusedSGD(Optimizer):
         launches = {}
         for index, group in enumerate(self.param_groups):
             has_momentum = group["momentum"] != 0
-            for p in group["params"]:
+            for position, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
@@ -133,14 +159,14 @@ class _FusedSGD(Optimizer):
                 if buffer is not None:
                     launch.buffers.append(buffer)
                 launch.group_of_tensor.append(index)
-        # New momentum buffers only once every tensor has passed the checks above.
+                launch.places.append((index, position))
+        # New momentum buffers only once every tensor has passed the checks above; they join
+        # the state once their launch has run (see step).
         for launch in launches.values():
             if launch.first_step:
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
                 if found_inf is not None:  # this first step may be skipped on the device
                     launch.pending = found_inf.to(launch.params[0].device, copy=True)
-                for p, buffer in zip(launch.params, launch.buffers):
-                    self.state[p]["momentum_buffer"] = buffer
         return launches.values()
 
     def _group_lists(self, device, momentum_scales):
@@ -180,24 +206,42 @@ class _FusedSGD(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        launches = self._gather_launches(found_inf)  # checks every tensor before any is touched
+        launches = self._gather_launches(found_inf)
         momentum_scales = [_momentum_scale(group) for group in self.param_groups]
+        # The op checks a launch's tensors before it touches any: a launch that raises leaves
+        # its parameters and their state as they were (launches of other dtypes or devices
+        # that ran before it have stepped).
         for launch in launches:
             device = launch.params[0].device
             device_found_inf = None if found_inf is None else found_inf.to(device)
-            torch.ops.torch_bigbatch.sgd_step_(
-                launch.params,
-                launch.grads,
-                launch.buffers,
-                launch.group_of_tensor,
+            launch.run(
                 **self._group_lists(device, momentum_scales),
                 grad_scale=None if grad_scale is None else grad_scale.to(device),
                 found_inf=device_found_inf,
                 first_step=launch.first_step,
                 first_step_pending=None if launch.first_step else launch.pending,
             )
+            if launch.first_step:
+                for p, buffer in zip(launch.params, launch.buffers):
+                    self.state[p]["momentum_buffer"] = buffer
             self._track_pending(launch, device_found_inf)
         return loss
+
+    def state_dict(self):
+        """torch.optim's state dict, without the buffers whose every step GradScaler skipped so
+        far (and their flags): torch.optim.SGD would take such a zero buffer for one that has
+        started, and under dampening scale its first real step by (1 - dampening). Without
+        them, either optimizer starts those buffers at their first real step."""
+        state_dict = super().state_dict()
+        for key, param_state in state_dict["state"].items():
+            pending = param_state.get(_PENDING)
+            if pending is None:
+                continue
+            param_state = {k: v for k, v in param_state.items() if k != _PENDING}  # a copy
+            if pending.item() != 0:  # a host sync, as saving a checkpoint is anyway
+                del param_state["momentum_buffer"]
+            state_dict["state"][key] = param_state
+        return state_dict
 
     def _track_pending(self, launch, found_inf):
         """After a launch: its buffers stay pending while every step of theirs is skipped."""
