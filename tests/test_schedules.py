@@ -111,7 +111,32 @@ def test_resume_from_state_dict():
     assert longer.epochs == 180 and longer.epoch_starts[-1] == 1800 and longer.last_epoch == 37
 
 
+def test_boundaries_on_an_iteration_take_effect_at_that_iteration():
+    """Goyal's recipe shortened to one epoch of 3 iterations decays at 1/3, 2/3 and 8/9 of it:
+    at iterations 1, 2 and 3 (the end), the first whose elapsed epochs reach each milestone.
+    In floats 30 * (1 / 90) is a hair above 1/3, and 1 + 2/3 below 5/3, which put decays
+    one iteration late (and dropped the second one here); the same for the end of a warmup."""
+    recipe = bb.recipes.goyal2017.shortened(1)
+    scheduler = LargeBatchLR(optimizer(1.0), 3, 1, warmup="none", milestones=recipe.milestones)
+    assert lrs(scheduler, 4) == pytest.approx([1.0, 0.1, 0.01, 0.001])
+    scheduler = LargeBatchLR(optimizer(1.0), 3, 2, warmup="none", milestones=(5 / 3,))
+    assert lrs(scheduler, 6) == pytest.approx([1.0] * 5 + [0.1])
+    scheduler = LargeBatchLR(optimizer(1.0), 9, 2, warmup="constant", warmup_epochs=2 / 9 * 3,
+                             warmup_start_factor=0.5, decay="none")
+    assert lrs(scheduler, 8) == pytest.approx([0.5] * 6 + [1.0] * 2)
+
+
 def test_bad_arguments():
+    for epochs in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="epochs must be a positive int"):
+            LargeBatchLR(optimizer(1.0), 10, epochs)
+    for name in ("warmup_start_factor", "gamma", "power"):
+        with pytest.raises(ValueError, match=f"{name} must be non-negative"):
+            LargeBatchLR(optimizer(1.0), 10, 5, **{name: -1.0})
+    with pytest.raises(ValueError, match="milestones must be non-negative"):
+        LargeBatchLR(optimizer(1.0), 10, 5, milestones=(-1,))
+    with pytest.raises(ValueError, match="one int per epoch when the batch size changes"):
+        LargeBatchLR(optimizer(1.0), 10, 5, batch_size_schedule=BatchSizeSchedule({0: 8, 2: 16}))
     with pytest.raises(ValueError, match="warmup must be one of"):
         LargeBatchLR(optimizer(1.0), 10, 5, warmup="linear")
     with pytest.raises(ValueError, match="decay must be one of"):
@@ -143,16 +168,26 @@ def test_sampler_covers_every_sample_once(drop_last):
     for epoch in (0, 1):
         per_rank = epoch_batches(103, schedule, 4, epoch, drop_last=drop_last)
         seen = [i for batches in per_rank for batch in batches for i in batch]
-        assert len(seen) == len(set(seen))
         global_batch = schedule(epoch)
         if drop_last:
-            assert len(seen) == 103 // global_batch * global_batch
+            assert len(seen) == len(set(seen)) == 103 // global_batch * global_batch
             assert all(len(b) == global_batch // 4 for batches in per_rank for b in batches)
-        else:
-            assert sorted(seen) == list(range(103))
-        # The ranks' parts of a step form one global batch of the shuffled order.
-        steps = list(zip(*per_rank))
-        assert all(sum(len(part) for part in step) <= global_batch for step in steps)
+        else:  # the last batch (7 samples) padded to 8 with the epoch's first sample
+            assert sorted(set(seen)) == list(range(103)) and len(seen) == 104
+            assert seen.count(per_rank[0][0][0]) == 2
+        # The ranks' parts of a step are equal and form one global batch of the shuffled order.
+        for step in zip(*per_rank):
+            assert len({len(part) for part in step}) == 1
+            assert sum(len(part) for part in step) <= global_batch
+
+
+def test_sampler_gives_every_rank_a_share_of_a_last_batch_smaller_than_the_ranks():
+    """10 samples in batches of 8 over 4 ranks: the last 2 padded to 4, one per rank, as torch's
+    DistributedSampler pads, instead of empty batches that fail on two ranks only."""
+    per_rank = epoch_batches(10, 8, 4, epoch=0, drop_last=False)
+    assert [len(batches[-1]) for batches in per_rank] == [1, 1, 1, 1]
+    first_two = per_rank[0][0]  # rank 0's part of the first batch: the permutation's first two
+    assert sorted(b[-1][0] for b in per_rank[2:]) == sorted(first_two)
 
 
 def test_sampler_shuffles_once_per_epoch_with_a_shared_seed():

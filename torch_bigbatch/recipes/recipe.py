@@ -49,8 +49,8 @@ class Recipe:
         if epochs <= 0:
             raise ValueError(f"epochs must be positive, got {epochs}")
         ratio = epochs / self.epochs
-        return self.replace(epochs=epochs, warmup_epochs=self.warmup_epochs * ratio,
-                            milestones=tuple(m * ratio for m in self.milestones),
+        return self.replace(epochs=epochs, warmup_epochs=self.warmup_epochs * epochs / self.epochs,
+                            milestones=tuple(m * epochs / self.epochs for m in self.milestones),
                             batch_growth=tuple((max(1, round(e * ratio)), f)
                                                for e, f in self.batch_growth))
 
@@ -83,7 +83,8 @@ class Recipe:
         raise ValueError(f"optimizer must be 'sgd' or 'lars', got {self.optimizer!r}")
 
     def build_scheduler(self, optimizer, iterations_per_epoch, world_size):
-        """LargeBatchLR over `epochs`; iterations_per_epoch: an int or one per epoch."""
+        """LargeBatchLR over `epochs`; iterations_per_epoch: one per epoch (an int where the
+        batch size stays the same)."""
         schedule = self.batch_size_schedule(world_size)
         # From base_lr up to the peak (by the linear rule, base_batch / batch of the peak); a
         # batch below base_batch has no warmup to do.

@@ -57,7 +57,9 @@ class DistributedBatchSampler(Sampler):
     are cut from it and each is split into world_size equal, contiguous parts, so every sample
     is seen once per epoch across the ranks. drop_last=True (the default) drops the incomplete
     last global batch, keeping every step's batch (and its BatchNorm groups) the same size;
-    with drop_last=False it is split as evenly as the ranks allow. Call set_epoch(epoch) before
+    with drop_last=False it is padded with samples from the start of the epoch's permutation to
+    a multiple of world_size, so that every rank gets an equal share of it (as torch's
+    DistributedSampler pads: a rank with no samples would fail while the others wait). Call set_epoch(epoch) before
     iterating, as with torch's DistributedSampler; set_epoch(epoch, first_batch) starts that
     epoch at a later batch (a job resumed mid-epoch skips what it has done without loading it).
     """
@@ -83,6 +85,9 @@ class DistributedBatchSampler(Sampler):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.dataset_size, generator=generator)
         size = self.schedule(self.epoch)
+        padding = -self.dataset_size % self.world_size  # the last batch's (sizes split evenly)
+        if not self.drop_last and padding:
+            order = torch.cat([order, order.repeat(-(-padding // self.dataset_size))[:padding]])
         for start in range(self.first_batch * size, (self.first_batch + len(self)) * size, size):
             batch = order[start:start + size]
             yield batch.tensor_split(self.world_size)[self.rank].tolist()

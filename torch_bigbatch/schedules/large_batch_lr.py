@@ -37,11 +37,16 @@ class LargeBatchLR(LRScheduler):
                  warmup_epochs=5.0, warmup_start_factor=0.0, decay="step",
                  milestones=(30, 60, 80), gamma=0.1, power=2.0, batch_size_schedule=None,
                  last_epoch=-1):
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
         if warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         if decay not in DECAYS:
             raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
         if isinstance(iterations_per_epoch, int):
+            if batch_size_schedule is not None and len(set(batch_size_schedule.sizes)) > 1:
+                raise ValueError("iterations_per_epoch must be one int per epoch when the batch "
+                                 f"size changes ({batch_size_schedule}), got one int")
             iterations_per_epoch = [iterations_per_epoch] * epochs
         iterations_per_epoch = list(iterations_per_epoch)
         if len(iterations_per_epoch) != epochs or min(iterations_per_epoch, default=0) <= 0:
@@ -49,6 +54,10 @@ class LargeBatchLR(LRScheduler):
                              f"(one per epoch), got {iterations_per_epoch}")
         if warmup != "none" and not 0 <= warmup_epochs <= epochs:
             raise ValueError(f"warmup_epochs must be in [0, {epochs}], got {warmup_epochs}")
+        for name, value in (("warmup_start_factor", warmup_start_factor), ("gamma", gamma),
+                            ("power", power), *(("milestones", m) for m in milestones)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be non-negative, got {value}")
         self.epoch_starts = [0]  # the first iteration of every epoch, and the total
         for count in iterations_per_epoch:
             self.epoch_starts.append(self.epoch_starts[-1] + count)
@@ -56,7 +65,22 @@ class LargeBatchLR(LRScheduler):
         self.warmup_epochs = warmup_epochs if warmup != "none" else 0.0
         self.warmup_start_factor, self.milestones = warmup_start_factor, sorted(milestones)
         self.gamma, self.power, self.batch_size_schedule = gamma, power, batch_size_schedule
+        # The boundaries as iterations: compared as floats, an epoch count that falls on an
+        # iteration could round either way (1 + 2/3 < 5/3) and take effect one step late.
+        self.warmup_end = self.first_iteration_at(self.warmup_epochs)
+        self.milestone_iterations = [self.first_iteration_at(m) for m in self.milestones]
         super().__init__(optimizer, last_epoch)
+
+    def first_iteration_at(self, epochs_elapsed):
+        """The first iteration at which `epochs_elapsed` epochs have passed (the end of
+        training, one past its last iteration, for the last epoch's end; past it, never)."""
+        if epochs_elapsed > self.epochs:
+            return math.inf
+        epoch = min(math.floor(epochs_elapsed), self.epochs - 1)
+        start, end = self.epoch_starts[epoch], self.epoch_starts[epoch + 1]
+        # An epoch count a hair above an iteration's (0.33333333333333337 for 1 of 3) is that
+        # iteration's: the tolerance is far below one iteration.
+        return start + math.ceil((epochs_elapsed - epoch) * (end - start) - 1e-9)
 
     def progress(self, iteration):
         """(epoch, epochs elapsed as a float) at `iteration`; past the end, the last epoch's end."""
@@ -68,15 +92,16 @@ class LargeBatchLR(LRScheduler):
     def factor(self, iteration):
         """The LR at `iteration` as a multiple of the peak LR."""
         epoch, elapsed = self.progress(iteration)
+        iteration = min(iteration, self.epoch_starts[-1])
         scale = 1.0 if self.batch_size_schedule is None \
             else self.batch_size_schedule.lr_factor(epoch)
-        if elapsed < self.warmup_epochs:
+        if iteration < self.warmup_end:
             if self.warmup == "constant":
                 return scale * self.warmup_start_factor
-            fraction = elapsed / self.warmup_epochs
+            fraction = min(1.0, elapsed / self.warmup_epochs)
             return scale * (self.warmup_start_factor + (1 - self.warmup_start_factor) * fraction)
         if self.decay == "step":
-            return scale * self.gamma ** bisect.bisect_right(self.milestones, elapsed)
+            return scale * self.gamma ** bisect.bisect_right(self.milestone_iterations, iteration)
         span = self.epochs - self.warmup_epochs
         t = min(1.0, (elapsed - self.warmup_epochs) / span) if span > 0 else 1.0
         if self.decay == "poly":
