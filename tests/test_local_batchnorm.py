@@ -533,3 +533,21 @@ def test_outliers_keep_the_variance_exact(device, channels_last):
     assert_relative_close(layer.running_var.cpu(), var, 1e-5, "running_var")
     assert_relative_close(layer.running_mean.cpu(), mean, 1e-6, "running_mean")
     assert_relative_close(y.cpu(), y_ref, 1e-4, "output")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_a_mean_far_above_the_spread_keeps_the_variance_exact(device, channels_last, offset):
+    """Values of std 1 around 1e4 or 1e6, two groups of 32 samples: the float32 variance within
+    1e-6 of float64's on the same inputs. (Each sample's mean rounded to float before the
+    merge lost 2e-5 of it at 1e4 and 2e-3 at 1e6; nn.BatchNorm2d loses 1e-3 at 1e6.) The
+    output is not compared: a float32 mean is half an ulp of 1e6 (0.03 std) off at best, which
+    sets its error, as in nn.BatchNorm2d."""
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 3, 7, 7, generator=generator, dtype=torch.float64) + offset).float()
+    layer = bb.nn.LocalBatchNorm2d(3, group_size=32, momentum=1.0).to(device)
+    layer(memory_format(x.to(device), channels_last))
+    _, mean, var = reference(x, None, None, 32)
+    assert_relative_close(layer.running_var.cpu(), var, 1e-6, "running_var")
+    assert_relative_close(layer.running_mean.cpu(), mean, 1e-7, "running_mean")

@@ -10,15 +10,19 @@
 //                  then sum(d) and sum(d^2) with d = x - mean, the second pass from cache)
 //        backward  sum(dy), sum(dy * d)   with d = x - mean[g, c]
 //   2. per (group, channel): its samples' values give the group's statistics (forward: their
-//      means and M2s merged as Chan et al.'s parallel variance does) or gradient sums
-//      (backward), and the coefficients of step 4
+//      means and M2s merged as Chan et al.'s parallel variance does, the means taken relative
+//      to the group's first sample's center) or gradient sums (backward), and the
+//      coefficients of step 4
 //   3. per channel: the averages over groups of the group means and unbiased variances, which
 //      the running statistics move towards (forward), or grad_weight and grad_bias (backward)
 //   4. per element, with v = x - mean[g, c]: y = a v + c (forward), dx = a dy + b v + c
 //      (backward); centering first keeps float exact where |mean| is large against the spread
-// Centering each sample at its own mean keeps the variance exact in float whatever the data:
-// no sum of squares cancels against a large mean or an outlying value (a one-pass sum shifted
-// by the group's first value lost 1e-3 to 1e-2 of the variance to one outlier there).
+// Centering each sample at its own mean keeps the variance accurate in float whatever the
+// data: no sum of squares cancels against a large mean or an outlying value (a one-pass sum
+// shifted by the group's first value lost 1e-3 to 1e-2 of the variance to one outlier there).
+// The merge never rounds a sample's mean to float: a center is kept apart from the mean's
+// offset from it, and centers are subtracted from each other exactly (rounding each sample's
+// mean, as before, lost 2e-5 of the variance where |mean| = 1e4 std, 2e-3 at 1e6).
 
 #include <cmath>
 #include <cstdint>
@@ -69,7 +73,8 @@ struct BnPass {
   void* grad_weight = nullptr;        // [C] acc (backward)
   void* grad_bias = nullptr;          // [C] acc (backward)
   double eps = 1e-5;
-  // Scratch, acc: step 1's sums [N, C, 2], step 2's per-group values for step 3 [G, C, 2]
+  // Scratch, acc: step 1's values [N, C, kSampleValues], step 2's per-group values for step 3
+  // [G, C, 2]
   // and step 4's coefficients [3, G, C] (a, b, c; the centers are `mean`).
   void* sample_sums = nullptr;
   void* group_values = nullptr;
@@ -90,16 +95,49 @@ BB_HOST_DEVICE Coefficients<A> coefficients_of(const BnPass& p) {
   return {tables, tables + table, tables + 2 * table};
 }
 
+// Step 1's values per (sample, channel): forward, its center, its mean's offset from the
+// center and its M2 (sample_moments); backward, sum(dy) and sum(dy d) (the third unused).
+constexpr int64_t kSampleValues = 3;
+template <typename A>
+BB_HOST_DEVICE A* sample_values(const BnPass& p, int64_t n, int64_t c) {
+  return static_cast<A*>(p.sample_sums) + kSampleValues * (n * p.layout.channels + c);
+}
+
+template <typename A>
+BB_HOST_DEVICE bool is_finite(A x) { return x - x == A(0); }
+
 // Step 1's values of one (sample, channel) from its S values' first-pass mean `center` and
-// second-pass sums of d = x - center: its mean and sum of squared deviations (M2), corrected
-// for the rounding of `center`.
+// second-pass sums of d = x - center: the center, the mean's offset from it (the mean is
+// their sum, not rounded here) and the sum of squared deviations (M2), corrected for the
+// rounding of `center`.
 // An infinite center (an inf among the values) is the mean itself, as in nn.BatchNorm; its d
 // are inf or NaN, so M2 is NaN there, as nn.BatchNorm's variance is.
 template <typename A>
 BB_HOST_DEVICE void sample_moments(A* out, A center, A sum, A sum_squares, A count) {
-  const bool finite = center - center == A(0);
-  out[0] = finite ? center + sum / count : center;
-  out[1] = sum_squares - sum * sum / count;
+  out[0] = center;
+  out[1] = is_finite(center) ? sum / count : A(0);
+  out[2] = sum_squares - sum * sum / count;
+}
+
+// Step 2's merge of a group's samples, forward, relative to a reference: its first sample's
+// center (0 where that is not finite, so an inf center stays the mean). The group's mean is
+// reference + the mean of the samples' offsets, its M2 the sum of merged_m2 over its samples.
+template <typename A>
+BB_HOST_DEVICE A group_reference(const BnPass& p, int64_t group, int64_t c) {
+  const A center = sample_values<A>(p, p.layout.group_begin(group), c)[0];
+  return is_finite(center) ? center : A(0);
+}
+// A sample's mean minus the reference: the centers' difference is exact in float where they
+// are close, and the offsets are small.
+template <typename A>
+BB_HOST_DEVICE A sample_offset(const A* moments, A reference) {
+  return (moments[0] - reference) + moments[1];
+}
+// A sample's part of its group's M2: its own plus S times its mean's distance from the group's.
+template <typename A>
+BB_HOST_DEVICE A merged_m2(const A* moments, A reference, A mean_offset, A spatial) {
+  const A shift = sample_offset(moments, reference) - mean_offset;
+  return moments[2] + spatial * shift * shift;
 }
 
 // Step 2 of one (group, channel), forward, from its mean and M2 over `count` values: the

@@ -25,7 +25,6 @@ class CpuPass {
         grad_output(static_cast<const T*>(pass.grad_output)),
         result(static_cast<T*>(pass.result)),
         mean(static_cast<const A*>(pass.mean)),
-        sums(static_cast<A*>(pass.sample_sums)),
         coefficients(coefficients_of<A>(pass)) {}
 
   void run() const {
@@ -79,7 +78,7 @@ class CpuPass {
         }
         const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
         const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
-        store_sample(sums + 2 * row, center, q1, q2);
+        store_sample(sample_values<A>(p, n, c), center, q1, q2);
       }
     });
   }
@@ -96,8 +95,8 @@ class CpuPass {
     return at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]) / A(L.spatial);
   }
 
-  // Step 1's two values of a (sample, channel): sums of dy and dy d (backward), or the
-  // sample's mean and M2 from its center and the sums of d and d^2 (forward).
+  // Step 1's values of a (sample, channel): sums of dy and dy d (backward), or the sample's
+  // center, mean offset and M2 from the sums of d and d^2 (forward).
   void store_sample(A* out, A center, A q1, A q2) const {
     if constexpr (kBackward) {
       out[0] = q1;
@@ -145,7 +144,7 @@ class CpuPass {
         for (int h = 0; h < 2; ++h) k[h].store(centers[h]);
         for (int64_t j = 0; j < count; ++j) {
           const int h = j / Vec::size(), lane = j % Vec::size();
-          store_sample(sums + 2 * (n * L.channels + c + j), centers[h][lane], values[h][lane],
+          store_sample(sample_values<A>(p, n, c + j), centers[h][lane], values[h][lane],
                        values[2 + h][lane]);
         }
       }
@@ -179,24 +178,24 @@ class CpuPass {
         A first_total = 0, second_total = 0;
         for (int64_t g = 0; g < L.groups; ++g) {
           const int64_t begin = L.group_begin(g), end = L.group_end(g);
-          A q1 = 0, q2 = 0;
-          for (int64_t n = begin; n < end; ++n) {
-            q1 += sums[2 * (n * L.channels + c)];
-            q2 += sums[2 * (n * L.channels + c) + 1];
-          }
           const int64_t gc = g * L.channels + c;
           const A count = A((end - begin) * L.spatial);
           if constexpr (kBackward) {
-            group_backward<A>(p, gc, c, q1, q2, count);
-          } else {  // q1: the sum of the samples' means; the M2s merge around the group's mean
-            const A group_mean = q1 / A(end - begin);
-            A m2 = 0;
+            A q1 = 0, q2 = 0;
             for (int64_t n = begin; n < end; ++n) {
-              const A* moments = sums + 2 * (n * L.channels + c);
-              const A shift = moments[0] - group_mean;
-              m2 += moments[1] + A(L.spatial) * shift * shift;
+              q1 += sample_values<A>(p, n, c)[0];
+              q2 += sample_values<A>(p, n, c)[1];
             }
-            group_forward<A>(p, gc, c, group_mean, m2, count);
+            group_backward<A>(p, gc, c, q1, q2, count);
+          } else {  // the M2s merge around the group's mean (local_bn.h)
+            const A reference = group_reference<A>(p, g, c);
+            A offsets = 0, m2 = 0;
+            for (int64_t n = begin; n < end; ++n)
+              offsets += sample_offset(sample_values<A>(p, n, c), reference);
+            const A mean_offset = offsets / A(end - begin);
+            for (int64_t n = begin; n < end; ++n)
+              m2 += merged_m2(sample_values<A>(p, n, c), reference, mean_offset, A(L.spatial));
+            group_forward<A>(p, gc, c, reference + mean_offset, m2, count);
           }
           first_total += static_cast<const A*>(p.group_values)[2 * gc];
           second_total += static_cast<const A*>(p.group_values)[2 * gc + 1];
@@ -268,7 +267,6 @@ class CpuPass {
   const T* grad_output;
   T* result;
   const A* mean;
-  A* sums;
   Coefficients<A> coefficients;
 };
 

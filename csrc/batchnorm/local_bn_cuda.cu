@@ -39,11 +39,11 @@ __device__ __forceinline__ void accumulate(A x, A dy, A center, A& q1, A& q2) {
   q2 += u * d;
 }
 
-// Step 1's two values of a (sample, channel): the sums of dy and dy d (backward), or the
-// sample's mean and M2 (forward) from its center and the sums of d and d^2.
+// Step 1's values of a (sample, channel): the sums of dy and dy d (backward), or the sample's
+// center, mean offset and M2 (forward) from the sums of d and d^2.
 template <bool kBackward, typename A>
 __device__ __forceinline__ void store_sample(const BnPass& p, int64_t nc, A center, A q1, A q2) {
-  A* out = static_cast<A*>(p.sample_sums) + 2 * nc;
+  A* out = sample_values<A>(p, nc / p.layout.channels, nc % p.layout.channels);
   if (kBackward) {
     out[0] = q1;
     out[1] = q2;
@@ -166,28 +166,28 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const BnPass p) {
   const int lane = threadIdx.x % 32;
   if (gc >= l.groups * l.channels) return;  // whole warps
   const int64_t g = gc / l.channels, c = gc % l.channels;
-  const A* sums = static_cast<const A*>(p.sample_sums);
   const int64_t begin = l.group_begin(g), end = l.group_end(g);
-  A q1 = 0, q2 = 0;
-  for (int64_t n = begin + lane; n < end; n += 32) {
-    q1 += sums[2 * (n * l.channels + c)];
-    q2 += sums[2 * (n * l.channels + c) + 1];
-  }
-  q1 = warp_sum(q1);
-  q2 = warp_sum(q2);
   const A count = A((end - begin) * l.spatial);
   if constexpr (kBackward) {
-    if (lane == 0) group_backward<A>(p, gc, c, q1, q2, count);
-  } else {  // q1: the sum of the samples' means; the M2s merge around the group's mean
-    const A group_mean = q1 / A(end - begin);
-    A m2 = 0;
+    A q1 = 0, q2 = 0;
     for (int64_t n = begin + lane; n < end; n += 32) {
-      const A* moments = sums + 2 * (n * l.channels + c);
-      const A shift = moments[0] - group_mean;
-      m2 += moments[1] + A(l.spatial) * shift * shift;
+      q1 += sample_values<A>(p, n, c)[0];
+      q2 += sample_values<A>(p, n, c)[1];
     }
+    q1 = warp_sum(q1);
+    q2 = warp_sum(q2);
+    if (lane == 0) group_backward<A>(p, gc, c, q1, q2, count);
+  } else {  // the M2s merge around the group's mean (local_bn.h)
+    const A reference = group_reference<A>(p, g, c);
+    A offsets = 0;
+    for (int64_t n = begin + lane; n < end; n += 32)
+      offsets += sample_offset(sample_values<A>(p, n, c), reference);
+    const A mean_offset = warp_sum(offsets) / A(end - begin);
+    A m2 = 0;
+    for (int64_t n = begin + lane; n < end; n += 32)
+      m2 += merged_m2(sample_values<A>(p, n, c), reference, mean_offset, A(l.spatial));
     m2 = warp_sum(m2);
-    if (lane == 0) group_forward<A>(p, gc, c, group_mean, m2, count);
+    if (lane == 0) group_forward<A>(p, gc, c, reference + mean_offset, m2, count);
   }
 }
 

@@ -67,7 +67,7 @@ at::Tensor start_pass(BnPass& pass, const at::Tensor& x, const BnLayout& layout,
   pass.dtype = input_type(x);
   pass.input = x.data_ptr();
   pass.weight = weight.defined() ? weight.data_ptr() : nullptr;
-  const int64_t samples = 2 * layout.batch * layout.channels;
+  const int64_t samples = kSampleValues * layout.batch * layout.channels;
   const int64_t groups = layout.groups * layout.channels;
   at::Tensor scratch = at::empty({samples + 5 * groups},
                                  x.options().dtype(at::toOpMathType(x.scalar_type())));
