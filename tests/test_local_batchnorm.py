@@ -338,6 +338,31 @@ def test_bad_input(device):
     with pytest.raises(ValueError, match="running_mean and running_var must be given together"):
         bb.nn.local_batch_norm(torch.randn(4, 4, device=device), torch.zeros(4, device=device),
                                None, training=True, group_size=2)
+    running = torch.zeros(4, device=device)
+    with pytest.raises(ValueError, match="running_var should contain 3 elements"):
+        bb.nn.local_batch_norm(torch.randn(4, 3, device=device), running[:3], running,
+                               training=True, group_size=2)
+    assert running.eq(0).all()  # refused before anything ran
+
+
+def test_options_as_batchnorm_takes_them():
+    """A group size as any integer type (numpy's: anything with __index__), and the keyword
+    options of this torch's nn.BatchNorm: bias=False (torch 2.13 on) gives the same module and
+    state dict, and where torch has no such option both refuse it alike."""
+    class Index:
+        def __index__(self):
+            return 8
+
+    assert bb.nn.LocalBatchNorm2d(3, group_size=Index()).group_size == 8
+    try:
+        native = nn.BatchNorm2d(3, bias=False)
+    except TypeError:
+        with pytest.raises(TypeError):
+            bb.nn.LocalBatchNorm2d(3, bias=False)
+        return
+    local = bb.nn.LocalBatchNorm2d(3, bias=False)
+    assert local.bias is None and local.state_dict().keys() == native.state_dict().keys()
+    local.load_state_dict(native.state_dict())
 
 
 def test_compiles():

@@ -13,17 +13,26 @@ from a Python loop over chunks: the op torch.ops.torch_bigbatch.local_batch_norm
 through its autograd registration (torch_bigbatch/ops.py).
 """
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-def _check_group_size(group_size):
-    if group_size is not None and (isinstance(group_size, bool)
-                                   or not isinstance(group_size, int) or group_size < 2):
+def _checked_group_size(group_size):
+    """group_size as an int (or None), or a ValueError."""
+    if group_size is None:
+        return None
+    try:
+        size = None if isinstance(group_size, bool) else operator.index(group_size)  # numpy too
+    except TypeError:
+        size = None
+    if size is None or size < 2:
         raise ValueError("group_size must be an integer of at least 2 (a group of one sample has "
                          f"no variance), or None for the whole batch; got {group_size!r}")
+    return size
 
 
 def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
@@ -31,12 +40,16 @@ def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, t
     """F.batch_norm with per-group statistics in training (see the module docstring)."""
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    _check_group_size(group_size)
+    group_size = _checked_group_size(group_size)
     if input.dim() < 2:
         raise ValueError(f"local batch norm needs an input of at least 2 dims (N, C, ...), got "
                          f"size {tuple(input.shape)}")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together")
+    for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
+        if stat is not None and stat.numel() != input.shape[1]:  # before the kernel runs
+            raise ValueError(f"{name} should contain {input.shape[1]} elements (one per channel) "
+                             f"not {stat.numel()}")
     if input.numel() > 0 and input.numel() // input.shape[1] < 2:  # nn.BatchNorm's rule
         raise ValueError("Expected more than 1 value per channel when training, got input size "
                          f"{tuple(input.shape)}")
@@ -61,9 +74,12 @@ class LocalBatchNorm(_BatchNorm):
     """
 
     def __init__(self, num_features, group_size=32, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, device=None, dtype=None):
-        _check_group_size(group_size)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+                 track_running_stats=True, device=None, dtype=None, **batchnorm_options):
+        """batchnorm_options: the keyword options of this torch's nn.BatchNorm (bias=False
+        from torch 2.13), passed on."""
+        group_size = _checked_group_size(group_size)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
+                         **batchnorm_options)
         self.group_size = group_size
 
     def _check_input_dim(self, input):
