@@ -137,6 +137,34 @@ def test_allreduce_equals_gloo(shape):
     assert checked[0] == 3 * 3 * (4 * 5 - 1)
 
 
+def results_of_every_rank(rank, world_size, port, shape):
+    """Float sums and products in the one-shot form (1000 values) and in segments (100,003):
+    how many elements of each rank's result differ from rank 0's, as Gloo gathers them."""
+    init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus",
+                                              segment_bytes=SMALL_SEGMENTS))
+    gloo = dist.new_group(backend="gloo")
+    differing = {}
+    for numel in (1000, 100_003):
+        for op in ("SUM", "PRODUCT"):
+            mine = rank_data(rank, numel, torch.float32, op, seed=numel)
+            dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
+            results = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(results, mine, group=gloo)
+            differing[f"{op} n={numel}"] = [int((r != results[0]).sum()) for r in results]
+    return differing
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.slow
+def test_every_rank_gets_the_same_bits(shape):
+    """A float sum depends on its order: every rank adds the members' values in member order,
+    so DDP's replicas stay identical (adding its own first, ranks of a row of 4 differed in 4
+    of 10 elements and DDP's replicas drifted apart)."""
+    world_size = shape[0] * shape[1]
+    differing = run_ranks(results_of_every_rank, world_size, shape, deadline=120)[0]
+    assert differing == {what: [0] * world_size for what in differing}, differing
+
+
 def segments_smaller_than_a_row(rank, world_size, port, shape):
     """Segments of a few elements: some members' parts (and pieces) are empty, and both sides
     of every direct exchange must skip the same ones."""
@@ -387,6 +415,35 @@ def size_mismatch(rank, world_size, port):
     except RuntimeError as error:
         return time.monotonic() - start, str(error)
     return time.monotonic() - start, None
+
+
+def empty_on_one_rank(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=5)
+    dist.barrier()  # see size_mismatch
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(0 if rank == 1 else 1000))
+        dist.all_reduce(torch.full((1000,), 10.0))  # must not pair with the others' first call
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return time.monotonic() - start, None
+
+
+@pytest.mark.parametrize("algorithm", ["torus", "auto"])
+@pytest.mark.slow
+def test_an_empty_tensor_on_one_rank_is_an_error_not_a_shifted_call(algorithm):
+    """An empty call exchanges its headers too: ended at once, rank 1's next call paired with
+    the others' first, and both came back with sums of 13 and no error. Now every rank raises
+    within the timeout or, receiving more than it posted, is aborted by Gloo (as for any size
+    mismatch)."""
+    outcomes = run_ranks(empty_on_one_rank, 4, algorithm, deadline=60, allow_missing=range(4))
+    for rank, outcome in enumerate(outcomes):
+        if outcome[0] == "exited":
+            assert outcome[1] == -6, f"rank {rank} exited with {outcome[1]}"
+            continue
+        seconds, message = outcome
+        assert message is not None, f"rank {rank} returned a result despite the fault"
+        assert seconds < 5 + 3, f"rank {rank} failed after {seconds:.1f} s (timeout 5 s)"
 
 
 def killed_rank(rank, world_size, port, collective):

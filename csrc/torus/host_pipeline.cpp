@@ -411,7 +411,7 @@ void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment) {
   } else if (call.mismatched()) {
     sum = at::empty_like(segment->part);
   }
-  reduce_into(sum, segment->part, peers.rows(segment->row_out), call.op);
+  reduce_in_member_order(sum, segment->part, shape.x(), peers.rows(segment->row_out), call.op);
   context->scratch.give(std::move(segment->row_in));
   context->scratch.give(std::move(segment->row_out));
   if (shape.rows == 1) {
@@ -431,7 +431,8 @@ void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment)
   const Exchange peers = column_one_shot_in(shape, *segment, segment->part.numel());
   check_headers(*context, *segment, segment->column_out, peers, shape.column_ranks());
   at::Tensor result = call.mismatched() ? at::empty_like(segment->part) : segment->part;
-  reduce_into(result, peers.data(segment->column_in, 0), peers.rows(segment->column_out), call.op);
+  reduce_in_member_order(result, peers.data(segment->column_in, 0), shape.y(),
+                         peers.rows(segment->column_out), call.op);
   finish_average(result, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_in));
   context->scratch.give(std::move(segment->column_out));
@@ -630,13 +631,13 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   call->numel = call->buffer.flat.numel();
   call->kind = call_kind(call->buffer.flat.scalar_type(), op);  // the caller's op, compared
   call->op = divide_first_if_half(call->buffer.flat, op, shape.columns * shape.rows);
-  call->one_shot = one_shot;
-  if (call->numel == 0) {  // nothing to exchange
-    call->work->complete();
-    return call->work;
-  }
-  const auto spans = one_shot ? std::vector<std::pair<int64_t, int64_t>>{{0, call->numel}}
-                              : call->buffer.segments(segment_bytes);
+  // An empty call still exchanges its headers (the one-shot form, of headers alone): were it
+  // to end at once, a rank passing an empty tensor where the others pass data would pair its
+  // next call with their current one, and both could end with wrong sums and no error.
+  call->one_shot = one_shot || call->numel == 0;
+  const auto spans = call->one_shot
+                         ? std::vector<std::pair<int64_t, int64_t>>{{0, call->numel}}
+                         : call->buffer.segments(segment_bytes);
   call->segments_left = static_cast<int64_t>(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
     auto segment = std::make_shared<Segment>();

@@ -46,6 +46,15 @@ void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& row
   for (int64_t k = 1; k < rows.size(0); ++k) reduce_pair(out, out, rows[k], op);
 }
 
+void reduce_in_member_order(at::Tensor& out, const at::Tensor& mine, int64_t me,
+                            const at::Tensor& rows, const c10d::ReduceOp& op) {
+  if (me == 0) return reduce_into(out, mine, rows, op);
+  at::Tensor before = rows[0];  // members 0 .. me - 1, accumulated in member 0's row
+  for (int64_t k = 1; k < me; ++k) reduce_pair(before, before, rows[k], op);
+  reduce_pair(out, before, mine, op);
+  for (int64_t k = me; k < rows.size(0); ++k) reduce_pair(out, out, rows[k], op);
+}
+
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op) {
   return op.op_ == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
 }

@@ -16,6 +16,13 @@ void reduce_pair(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& rows,
                  const c10d::ReduceOp& op);
 
+// out[i] = member 0's [i] op member 1's [i] ... in member order, `mine` being member `me`'s and
+// rows[k] member k's below `me`, k + 1's from it: the same operations, in the same order, on
+// every member, so every member's result is the same to the last bit (a float sum depends on
+// its order). Accumulates in rows (scratch, overwritten); out may be mine.
+void reduce_in_member_order(at::Tensor& out, const at::Tensor& mine, int64_t me,
+                            const at::Tensor& rows, const c10d::ReduceOp& op);
+
 // The op the engines run: AVG is summed, then divided once by finish_average.
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op);
 void finish_average(at::Tensor& reduced, const c10d::ReduceOp& op, int64_t group_size);
