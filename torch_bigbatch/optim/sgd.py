@@ -270,7 +270,9 @@ class SGD(_FusedSGD):
             Caffe2 implements it, v <- mu * c * v + lr * g, p <- p - v).
         lr_correction: apply the momentum correction c = lr_t / lr_{t-1} in the "goyal" form
             (default True), which makes both forms follow the same trajectory under any LR
-            schedule; without it the "goyal" form drifts whenever the LR changes.
+            schedule; without it the "goyal" form drifts whenever the LR changes. (Without it,
+            the previous LR is that of the previous call of step(), also one that GradScaler
+            skipped on the device: telling would take a host sync.)
         foreach, fused: accepted as torch.optim.SGD accepts them, and without effect: the step
             is always one fused kernel launch per device and dtype.
         differentiable: only False; the fused kernel is not differentiable by autograd (use
