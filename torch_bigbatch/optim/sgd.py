@@ -104,7 +104,8 @@ class _FusedSGD(Optimizer):
             params = list(params)
             # torch.optim warns and steps such a parameter twice; one launch would update it
             # from two threads (or blocks) at once, a race with no defined result.
-            if len({id(p) for p in params}) != len(params):
+            tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # named too
+            if len({id(p) for p in tensors}) != len(tensors):
                 raise ValueError(f"{type(self).__name__}: a parameter group lists a parameter "
                                  "more than once; list each parameter once")
         super().add_param_group({**param_group, "params": params})
