@@ -42,6 +42,7 @@ import torch_bigbatch as bb
 from torch_bigbatch.schedules import DistributedBatchSampler
 
 CHECKPOINT = "checkpoint.pt"
+PREVIOUS_CHECKPOINT = "checkpoint.previous.pt"  # where a new run moves an earlier one
 MODELS = ("resnet50", "resnet18", "resnet_small")  # torch_bigbatch.models
 TORCHVISION_RESNET50 = "torchvision.resnet50"
 # What a checkpoint holds that resuming reads, and its type.
@@ -248,8 +249,25 @@ def load_data(dataset, args):
     test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
         transforms.Resize(args.val_resize_size), transforms.CenterCrop(args.val_crop_size),
         transforms.ToTensor(), normalize]))
+    score_with_training_classes(test, train, args.data)
     # Each image's random crop and flip from (seed, epoch, index): a resume repeats them.
     return bb.data.SeededSamples(train, args.seed), test, len(train.classes), 3
+
+
+def score_with_training_classes(test, train, data):
+    """Gives the ImageFolder `test` the class indices of `train`: each folder numbers its own
+    sorted class names, so a class missing from val/ shifted every later label (scored against
+    the wrong classes, and no error); a class train/ lacks has no output to score."""
+    unknown = sorted(set(test.classes) - set(train.classes))
+    if unknown:
+        raise ValueError(f"--data {data}: val/ has {len(unknown)} classes that train/ lacks "
+                         f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
+    if test.classes == train.classes:
+        return
+    test.samples = [(path, train.class_to_idx[test.classes[label]])
+                    for path, label in test.samples]
+    test.imgs, test.targets = test.samples, [label for _, label in test.samples]
+    test.classes, test.class_to_idx = train.classes, train.class_to_idx
 
 
 def check_data(dataset, args):
@@ -342,7 +360,7 @@ class Setup:
         check_data(self.dataset, args)
         try:
             self.train, self.test, self.classes, self.channels = load_data(self.dataset, args)
-        except OSError as error:  # an empty ImageFolder, a damaged file
+        except (OSError, EOFError) as error:  # an empty ImageFolder, a damaged file
             raise ValueError(f"cannot read the {self.dataset} data: {error}") from error
         self.check_sizes()
         self.iterations = [self.schedule.batches(epoch, len(self.train))
@@ -361,12 +379,19 @@ class Setup:
 
     def read_resumed(self, args):
         """The checkpoint this run continues (with --resume, or restarted by torchrun), checked
-        against this run's settings; None for a new run."""
+        against this run's settings; None for a new run. A new run moves an earlier run's
+        checkpoint aside (rank 0): torchrun's restarts of this run resume what they find, and
+        found that one (a finished run: the job ended without training)."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         if args.resume and not os.path.exists(self.checkpoint):
             raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
         if (args.resume or restarted) and os.path.exists(self.checkpoint):
             return read_checkpoint(self.checkpoint, self.settings, self.iterations)
+        if self.rank == 0 and os.path.exists(self.checkpoint):
+            previous = os.path.join(os.path.dirname(self.checkpoint), PREVIOUS_CHECKPOINT)
+            os.replace(self.checkpoint, previous)
+            print(f"{self.checkpoint}: an earlier run's checkpoint, moved to {previous} (pass "
+                  "--resume to continue a run)", flush=True)
         return None
 
     def check_batches(self, args):
@@ -572,9 +597,11 @@ def main(args):
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:  # share the cores among this node's ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.local_world_size))
-    if "MASTER_ADDR" not in os.environ:  # a plain `python train_resnet50.py`: one process
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    dist.init_process_group(args.backend, rank=setup.rank, world_size=setup.world_size,
+    # A plain `python train_resnet50.py` (no WORLD_SIZE: one process) needs no rendezvous: a
+    # store in this process, not a port that two such runs would both take.
+    store = dist.HashStore() if "WORLD_SIZE" not in os.environ else None
+    dist.init_process_group(args.backend, store=store, rank=setup.rank,
+                            world_size=setup.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
 

@@ -33,6 +33,14 @@ def test_read_idx(tmp_path):
         file.write(bytes([0, 0, 9, 1]) + bytes(24))
     with pytest.raises(ValueError, match="not an IDX file of unsigned bytes"):
         read_idx(path)
+    with gzip.open(path, "wb") as file:  # a short file with a valid header
+        file.write(header + bytes(20))
+    with pytest.raises(ValueError, match="holds 36 bytes where its header says 40"):
+        read_idx(path)
+    whole = gzip.compress(header + bytes(24))
+    path.write_bytes(whole[:len(whole) // 2])  # a cut gzip stream
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_idx(path)
 
 
 def test_missing_files_are_named(tmp_path):

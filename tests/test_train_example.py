@@ -5,10 +5,12 @@ arguments fail with one message."""
 
 import csv
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from train_job import SCRIPT, TINY, run_single, torchrun
+from train_job import SCRIPT, TINY, environment, run_single, torchrun
 
 pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
 
@@ -138,6 +140,38 @@ def test_a_restarted_worker_resumes_by_itself(tmp_path):
     fresh = run_single(args)  # not a restart, no --resume: starts over
     assert "resumed" not in fresh.stdout
 
+
+
+def test_a_new_run_moves_an_earlier_runs_checkpoint_aside(tmp_path):
+    """A run without --resume in an --output that holds a finished run's checkpoint moves it to
+    checkpoint.previous.pt: a torchrun restart of the new run, before its first checkpoint,
+    found that one instead and ended the job at once ("holds a finished run")."""
+    output = tmp_path / "run"
+    args = [*TINY, "--epochs", "1", "--output", str(output)]
+    assert run_single(args).returncode == 0
+    finished = (output / "checkpoint.pt").read_bytes()
+    new = run_single([*args, "--stop-after-steps", "1"])
+    assert new.returncode == 0, new.stderr[-3000:]
+    assert "moved to" in new.stdout and "resumed" not in new.stdout
+    assert (output / "checkpoint.previous.pt").read_bytes() == finished
+    restarted = run_single(args, restart_count=1)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "resumed at epoch 1 step 1" in restarted.stdout, restarted.stdout
+
+
+def test_one_plain_process_needs_no_port(tmp_path):
+    """`python train_resnet50.py` without torchrun keeps its rendezvous in the process: two at
+    once both run (a fixed port 29500 made the second fail with EADDRINUSE)."""
+    env = environment()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    runs = [subprocess.Popen([sys.executable, SCRIPT, *TINY, "--epochs", "1", "--output",
+                              str(tmp_path / f"run{i}")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr[-3000:]
+        assert "finished after epoch 1" in stdout
 
 
 def test_resuming_a_finished_run(tmp_path):

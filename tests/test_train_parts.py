@@ -4,6 +4,7 @@ and the one data loader of in-memory tensors and of datasets of single samples."
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 from train_job import import_script
 
@@ -112,3 +113,23 @@ def test_seeded_samples_depend_on_seed_epoch_and_index_only():
     assert not torch.equal(forward[0], forward[1])
     samples.set_epoch(1)
     assert not any(torch.equal(samples[i], forward[i]) for i in range(4))
+
+
+def image_folder(classes, labels):
+    """What ImageFolder holds: its sorted class names, their indices, (path, label) samples."""
+    return SimpleNamespace(classes=classes, class_to_idx={c: i for i, c in enumerate(classes)},
+                           samples=[(f"{classes[label]}/{i}.jpg", label)
+                                    for i, label in enumerate(labels)])
+
+
+def test_validation_is_scored_with_the_training_classes():
+    """val/ without class "b" numbers "c" as 1 where training calls it 2: its labels are
+    remapped by name; a class that train/ lacks is refused by name."""
+    training = image_folder(["a", "b", "c"], [0, 1, 2])
+    val = image_folder(["a", "c"], [0, 1, 1])
+    train.score_with_training_classes(val, training, "/data")
+    assert [label for _, label in val.samples] == val.targets == [0, 2, 2]
+    assert val.classes == ["a", "b", "c"] and val.samples[1][0] == "c/1.jpg"
+    with pytest.raises(ValueError, match="val/ has 1 classes that train/ lacks \\(d\\)"):
+        train.score_with_training_classes(image_folder(["a", "d"], [0, 1]), training, "/data")
+

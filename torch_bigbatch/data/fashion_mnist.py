@@ -4,6 +4,7 @@ machine without the package), read with torch: no download, no torchvision."""
 
 import functools
 import gzip
+import math
 import os
 
 import torch
@@ -24,12 +25,19 @@ def missing_files(root=DEFAULT_ROOT):
 def read_idx(path):
     """An IDX array of unsigned bytes as a uint8 tensor (big-endian header: 0, 0, type 0x08,
     the number of dims; then the sizes as 32-bit integers)."""
-    with gzip.open(path, "rb") as file:
-        data = file.read()
+    try:
+        with gzip.open(path, "rb") as file:
+            data = file.read()
+    except (OSError, EOFError) as error:  # not gzip, or cut short
+        raise ValueError(f"{path} cannot be read: {error}") from error
     if data[:3] != b"\x00\x00\x08":
         raise ValueError(f"{path} is not an IDX file of unsigned bytes")
     dims = data[3]
     sizes = [int.from_bytes(data[4 + 4 * d:8 + 4 * d], "big") for d in range(dims)]
+    expected = 4 + 4 * dims + math.prod(sizes)
+    if len(data) != expected:
+        raise ValueError(f"{path} holds {len(data)} bytes where its header says {expected}: a "
+                         "damaged or truncated file")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=4 + 4 * dims).view(sizes)
 
 
