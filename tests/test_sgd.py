@@ -101,6 +101,28 @@ def test_goyal_form_follows_equation_10(device, correction):
             assert_relative_close(a.detach(), e, 2e-6, f"param {i}")
 
 
+def test_uncorrected_goyal_form_remembers_each_groups_own_previous_lr():
+    """Without the correction, a group with no gradients at a step (LR 0.2 there) keeps the LR
+    of its own previous step: its next step decays the velocity as eq. (10) does after 0.1."""
+    generator = torch.Generator().manual_seed(4)
+    start = [torch.randn(3, generator=generator) for _ in range(2)]
+    grads = [[torch.randn(3, generator=generator) for _ in range(2)] for _ in range(3)]
+    lrs = [0.1, 0.2, 0.4]
+    ours = [p.clone().requires_grad_() for p in start]
+    optimizer = bb.optim.SGD([{"params": [ours[0]]}, {"params": [ours[1]]}], lr=lrs[0],
+                             momentum=0.9, momentum_form="goyal", lr_correction=False)
+    for t, lr in enumerate(lrs):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ours[0].grad = grads[t][0].clone()
+        ours[1].grad = None if t == 1 else grads[t][1].clone()
+        optimizer.step()
+    every_step = velocity_sgd(start[:1], lrs, [g[:1] for g in grads], 0.9, 0.0, False)
+    skipping = velocity_sgd(start[1:], [0.1, 0.4], [grads[0][1:], grads[2][1:]], 0.9, 0.0, False)
+    assert_relative_close(ours[0].detach(), every_step[0], 1e-6, "group stepped every time")
+    assert_relative_close(ours[1].detach(), skipping[0], 1e-6, "group without a step")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_goyal_correction_matters_only_when_lr_changes(device):
     params = make_params(device)

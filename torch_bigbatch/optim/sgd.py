@@ -208,7 +208,10 @@ class _FusedSGD(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         launches = self._gather_launches(found_inf)
-        momentum_scales = [_momentum_scale(group) for group in self.param_groups]
+        stepped = {index for launch in launches for index in launch.group_of_tensor}
+        # A group without gradients takes no step: its previous LR stays (see _momentum_scale).
+        momentum_scales = [_momentum_scale(group) if index in stepped else 1.0
+                           for index, group in enumerate(self.param_groups)]
         # The op checks a launch's tensors before it touches any: a launch that raises leaves
         # its parameters and their state as they were (launches of other dtypes or devices
         # that ran before it have stepped).
@@ -272,8 +275,8 @@ class SGD(_FusedSGD):
         lr_correction: apply the momentum correction c = lr_t / lr_{t-1} in the "goyal" form
             (default True), which makes both forms follow the same trajectory under any LR
             schedule; without it the "goyal" form drifts whenever the LR changes. (Without it,
-            the previous LR is that of the previous call of step(), also one that GradScaler
-            skipped on the device: telling would take a host sync.)
+            the previous LR is that of the group's previous step with gradients, also one that
+            GradScaler skipped on the device: telling would take a host sync.)
         foreach, fused: accepted as torch.optim.SGD accepts them, and without effect: the step
             is always one fused kernel launch per device and dtype.
         differentiable: only False; the fused kernel is not differentiable by autograd (use
