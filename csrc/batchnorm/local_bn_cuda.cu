@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "batchnorm/local_bn_cuda.h"
@@ -309,16 +310,22 @@ cudaError_t launch_pass(const BnPass& p, int multiprocessors, cudaStream_t strea
   const bool aligned = is_aligned(p.input, 16) && is_aligned(p.result, 16) &&
                        (!kBackward || is_aligned(p.grad_output, 16));
   const int64_t numel = l.batch * l.channels * l.spatial;
+  const int64_t sample_blocks = l.channels_last
+                                    ? l.batch * ((l.channels + kChannelTile - 1) / kChannelTile)
+                                    : blocks_for(32 * l.batch * l.channels);
+  const int64_t group_blocks = blocks_for(32 * l.groups * l.channels);
+  // A grid of 2^31 blocks or more is refused (beyond 2^32, dim3 would wrap it: samples
+  // skipped, statistics wrong): billions of (sample, channel) pairs.
+  if (std::max(sample_blocks, group_blocks) > std::numeric_limits<int32_t>::max())
+    return cudaErrorInvalidConfiguration;
 
   if (l.channels_last) {
-    const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
-    sample_sums_channels_last<T, kBackward><<<l.batch * tiles, kThreads, 0, stream>>>(p);
+    sample_sums_channels_last<T, kBackward><<<sample_blocks, kThreads, 0, stream>>>(p);
   } else {
-    const int64_t blocks = blocks_for(32 * l.batch * l.channels);
     const bool packed_rows = aligned && l.spatial % W == 0;
-    sample_sums_rows<T, kBackward><<<blocks, kThreads, 0, stream>>>(p, packed_rows);
+    sample_sums_rows<T, kBackward><<<sample_blocks, kThreads, 0, stream>>>(p, packed_rows);
   }
-  group_kernel<T, kBackward><<<blocks_for(32 * l.groups * l.channels), kThreads, 0, stream>>>(p);
+  group_kernel<T, kBackward><<<group_blocks, kThreads, 0, stream>>>(p);
   channel_kernel<acc_t<T>><<<blocks_for(l.channels), kThreads, 0, stream>>>(p);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;

@@ -95,7 +95,8 @@ struct Trial {
       if (failure) std::rethrow_exception(failure);
       if (!end_event) return seconds;
     }
-    while (!end_event->query()) {
+    const auto query = EventQueries::get(end_event->device_type(), "torus allreduce trials");
+    while (!query(*end_event)) {
       TORCH_CHECK(Clock::now() < deadline, "its trial calls did not end in time");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

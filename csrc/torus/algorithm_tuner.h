@@ -28,6 +28,7 @@
 // the algorithm (or pin a table).
 #pragma once
 
+#include "common/device_launchers.h"
 #include "torus/backend_failure.h"
 
 #include <ATen/ATen.h>
@@ -98,6 +99,10 @@ struct TableRow {
 };
 
 int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
+
+// What a device's glue registers to ask whether a trial's end event has completed, from the
+// caller's thread, without harming a graph that another thread captures (torus_cuda_glue.cpp).
+using EventQueries = DeviceLaunchers<bool (*)(const c10::Event&)>;
 
 class AlgorithmTuner {
  public:

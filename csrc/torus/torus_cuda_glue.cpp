@@ -8,6 +8,10 @@
 //
 // Whether the calling thread's current stream on a GPU is capturing a CUDA graph: such an
 // allreduce goes to the whole group's NCCL allreduce, which a graph can hold.
+//
+// An event queried from a caller's thread (the tuner's trials): in thread-local capture mode
+// for the query only, then the caller's mode again; in global mode the query would
+// invalidate a graph that another thread is capturing.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -15,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include "torus/algorithm_tuner.h"
 #include "torus/stream_pipeline.h"
 
 namespace torch_bigbatch::torus {
@@ -35,7 +40,14 @@ bool cuda_stream_capturing(c10::Device device) {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
+bool query_outside_captures(const c10::Event& event) {
+  const c10::cuda::CUDAStreamCaptureModeGuard thread_local_mode(
+      cudaStreamCaptureModeThreadLocal);
+  return event.query();
+}
+
 const WatcherSetups::Register kCudaWatcher(c10::DeviceType::CUDA, &prepare_cuda_watcher);
+const EventQueries::Register kCudaEventQuery(c10::DeviceType::CUDA, &query_outside_captures);
 const CaptureChecks::Register kCudaCapture(c10::DeviceType::CUDA, &cuda_stream_capturing);
 
 }  // namespace
