@@ -138,28 +138,33 @@ def test_allreduce_equals_gloo(shape):
 
 
 def results_of_every_rank(rank, world_size, port, shape):
-    """Float sums and products in the one-shot form (1000 values) and in segments (100,003):
-    how many elements of each rank's result differ from rank 0's, as Gloo gathers them."""
+    """Float sums and products in the one-shot form (1000 values) and in segments (100,003),
+    and MIN and MAX of zeros of either sign: how many elements of each rank's result differ
+    in their bits from rank 0's, as Gloo gathers them."""
     init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus",
                                               segment_bytes=SMALL_SEGMENTS))
     gloo = dist.new_group(backend="gloo")
     differing = {}
     for numel in (1000, 100_003):
-        for op in ("SUM", "PRODUCT"):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):
             mine = rank_data(rank, numel, torch.float32, op, seed=numel)
+            if op in ("MIN", "MAX"):  # +0 or -0 at random: equal, but not in their bits
+                mine = torch.zeros(numel).copysign(mine - 0.5)
             dist.all_reduce(mine, op=getattr(dist.ReduceOp, op))
             results = [torch.empty_like(mine) for _ in range(world_size)]
             dist.all_gather(results, mine, group=gloo)
-            differing[f"{op} n={numel}"] = [int((r != results[0]).sum()) for r in results]
+            bits = [r.view(torch.int32) for r in results]
+            differing[f"{op} n={numel}"] = [int((b != bits[0]).sum()) for b in bits]
     return differing
 
 
-@pytest.mark.parametrize("shape", [(4, 1), (1, 4), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4), (3, 2), (2, 2)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.slow
 def test_every_rank_gets_the_same_bits(shape):
-    """A float sum depends on its order: every rank adds the members' values in member order,
-    so DDP's replicas stay identical (adding its own first, ranks of a row of 4 differed in 4
-    of 10 elements and DDP's replicas drifted apart)."""
+    """A float sum depends on its order, MIN and MAX of +0 and -0 on the operands': every rank
+    reduces the members' values in member order, so DDP's replicas stay identical (adding its
+    own first, ranks of a row of 4 differed in 4 of 10 sums, and DDP's replicas drifted)."""
     world_size = shape[0] * shape[1]
     differing = run_ranks(results_of_every_rank, world_size, shape, deadline=120)[0]
     assert differing == {what: [0] * world_size for what in differing}, differing

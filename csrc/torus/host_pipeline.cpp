@@ -575,11 +575,13 @@ void column_done(const ContextPtr& context, const SegmentPtr& segment) {
   finish(context, segment);
 }
 
-// This rank's row sum plus the other column member's, in place: the result's row part.
+// This rank's row sum plus the other column member's, in place: the result's row part (in
+// member order: MIN and MAX of +0 and -0 give the first operand's sign).
 void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;
-  reduce_pair(segment->row_sum, segment->row_sum, segment->column_out, call.op);
+  reduce_in_member_order(segment->row_sum, segment->row_sum, shape.y(),
+                         segment->column_out.unsqueeze(0), call.op);
   finish_average(segment->row_sum, call.op, shape.columns * shape.rows);
   context->scratch.give(std::move(segment->column_out));
   column_done(context, segment);

@@ -19,7 +19,8 @@ void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& row
 // out[i] = member 0's [i] op member 1's [i] ... in member order, `mine` being member `me`'s and
 // rows[k] member k's below `me`, k + 1's from it: the same operations, in the same order, on
 // every member, so every member's result is the same to the last bit (a float sum depends on
-// its order). Accumulates in rows (scratch, overwritten); out may be mine.
+// its order, MIN and MAX of +0 and -0 on theirs). Accumulates in rows (scratch, overwritten);
+// out may be mine.
 void reduce_in_member_order(at::Tensor& out, const at::Tensor& mine, int64_t me,
                             const at::Tensor& rows, const c10d::ReduceOp& op);
 
