@@ -49,8 +49,8 @@ class Recipe:
         if epochs <= 0:
             raise ValueError(f"epochs must be positive, got {epochs}")
         ratio = epochs / self.epochs
-        return self.replace(epochs=epochs, warmup_epochs=self.warmup_epochs * epochs / self.epochs,
-                            milestones=tuple(m * epochs / self.epochs for m in self.milestones),
+        return self.replace(epochs=epochs, warmup_epochs=self.warmup_epochs * ratio,
+                            milestones=tuple(m * ratio for m in self.milestones),
                             batch_growth=tuple((max(1, round(e * ratio)), f)
                                                for e, f in self.batch_growth))
 
