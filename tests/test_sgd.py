@@ -357,7 +357,8 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
         bb.optim.SGD([p, p], lr=0.1)
     optimizer = bb.optim.SGD([p], lr=0.1)
     with pytest.raises(ValueError, match="more than once"):
-        optimizer.add_param_group({"params": (q for q in [torch.ones(2), p, p])})
+        q = torch.ones(2, requires_grad=True)
+        optimizer.add_param_group({"params": (t for t in [torch.ones(2), q, q])})
     with pytest.raises(ValueError, match="more than once"):  # named parameters
         bb.optim.SGD([("a", p), ("b", p)], lr=0.1)
     assert len(optimizer.param_groups) == 1

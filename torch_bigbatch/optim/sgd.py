@@ -70,17 +70,19 @@ class _Launch:
         self.first_step = first_step
         self.pending = pending  # the buffers' shared _PENDING flag, or None
         self.params, self.grads, self.buffers, self.group_of_tensor = [], [], [], []
-        self.places = []  # per tensor: (group index, index in the group), for error messages
 
-    def run(self, **arguments):
+    def run(self, param_groups, **arguments):
         """The launch's kernel; an error names the parameter as param_groups does, not by its
-        place in this launch."""
+        place in this launch (found only then: nothing extra on the step's path)."""
         try:
             torch.ops.torch_bigbatch.sgd_step_(self.params, self.grads, self.buffers,
                                                self.group_of_tensor, **arguments)
         except (RuntimeError, ValueError, TypeError) as error:
             def place(match):
-                group, index = self.places[int(match.group(2))]
+                tensor = int(match.group(2))
+                group = self.group_of_tensor[tensor]
+                index = next(i for i, p in enumerate(param_groups[group]["params"])
+                             if p is self.params[tensor])
                 return f"{match.group(0)} (param_groups[{group}]['params'][{index}])"
             error.args = (re.sub(r"\b(params|grads|momentum_buffers)\[(\d+)\]", place,
                                  str(error), count=1),) + error.args[1:]
@@ -98,17 +100,14 @@ class _FusedSGD(Optimizer):
 
     def add_param_group(self, param_group):
         _check_group({**self.defaults, **param_group})
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else params
-        if not isinstance(params, set):  # torch.optim refuses sets with its own message
-            params = list(params)
-            # torch.optim warns and steps such a parameter twice; one launch would update it
-            # from two threads (or blocks) at once, a race with no defined result.
-            tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # named too
-            if len({id(p) for p in tensors}) != len(tensors):
-                raise ValueError(f"{type(self).__name__}: a parameter group lists a parameter "
-                                 "more than once; list each parameter once")
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(param_group)  # torch's checks; its group's params are tensors
+        params = self.param_groups[-1]["params"]
+        # torch.optim warns and steps such a parameter twice; one launch would update it from
+        # two threads (or blocks) at once, a race with no defined result.
+        if len({id(p) for p in params}) != len(params):
+            self.param_groups.pop()
+            raise ValueError(f"{type(self).__name__}: a parameter group lists a parameter more "
+                             "than once; list each parameter once")
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -135,7 +134,7 @@ class _FusedSGD(Optimizer):
         launches = {}
         for index, group in enumerate(self.param_groups):
             has_momentum = group["momentum"] != 0
-            for position, p in enumerate(group["params"]):
+            for p in group["params"]:
                 grad = p.grad
                 if grad is None:
                     continue
@@ -160,7 +159,6 @@ class _FusedSGD(Optimizer):
                 if buffer is not None:
                     launch.buffers.append(buffer)
                 launch.group_of_tensor.append(index)
-                launch.places.append((index, position))
         # New momentum buffers only once every tensor has passed the checks above; they join
         # the state once their launch has run (see step).
         for launch in launches.values():
@@ -219,6 +217,7 @@ class _FusedSGD(Optimizer):
             device = launch.params[0].device
             device_found_inf = None if found_inf is None else found_inf.to(device)
             launch.run(
+                self.param_groups,
                 **self._group_lists(device, momentum_scales),
                 grad_scale=None if grad_scale is None else grad_scale.to(device),
                 found_inf=device_found_inf,
@@ -237,12 +236,15 @@ class _FusedSGD(Optimizer):
         started, and under dampening scale its first real step by (1 - dampening). Without
         them, either optimizer starts those buffers at their first real step."""
         state_dict = super().state_dict()
+        still_pending = {}  # per flag (a launch's buffers share one): read once, a host sync
         for key, param_state in state_dict["state"].items():
             pending = param_state.get(_PENDING)
             if pending is None:
                 continue
             param_state = {k: v for k, v in param_state.items() if k != _PENDING}  # a copy
-            if pending.item() != 0:  # a host sync, as saving a checkpoint is anyway
+            if id(pending) not in still_pending:
+                still_pending[id(pending)] = pending.item() != 0
+            if still_pending[id(pending)]:
                 del param_state["momentum_buffer"]
             state_dict["state"][key] = param_state
         return state_dict
