@@ -99,8 +99,8 @@ BB_HOST_DEVICE Coefficients<A> coefficients_of(const BnPass& p) {
 // center and its M2 (sample_moments); backward, sum(dy) and sum(dy d) (the third unused).
 constexpr int64_t kSampleValues = 3;
 template <typename A>
-BB_HOST_DEVICE A* sample_values(const BnPass& p, int64_t n, int64_t c) {
-  return static_cast<A*>(p.sample_sums) + kSampleValues * (n * p.layout.channels + c);
+BB_HOST_DEVICE A* sample_values(const BnPass& p, int64_t nc) {  // nc = n * C + c
+  return static_cast<A*>(p.sample_sums) + kSampleValues * nc;
 }
 
 template <typename A>
@@ -124,7 +124,7 @@ BB_HOST_DEVICE void sample_moments(A* out, A center, A sum, A sum_squares, A cou
 // reference + the mean of the samples' offsets, its M2 the sum of merged_m2 over its samples.
 template <typename A>
 BB_HOST_DEVICE A group_reference(const BnPass& p, int64_t group, int64_t c) {
-  const A center = sample_values<A>(p, p.layout.group_begin(group), c)[0];
+  const A center = sample_values<A>(p, p.layout.group_begin(group) * p.layout.channels + c)[0];
   return is_finite(center) ? center : A(0);
 }
 // A sample's mean minus the reference: the centers' difference is exact in float where they

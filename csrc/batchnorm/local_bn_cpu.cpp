@@ -78,7 +78,7 @@ class CpuPass {
         }
         const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
         const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
-        store_sample(sample_values<A>(p, n, c), center, q1, q2);
+        store_sample(sample_values<A>(p, row), center, q1, q2);
       }
     });
   }
@@ -144,8 +144,8 @@ class CpuPass {
         for (int h = 0; h < 2; ++h) k[h].store(centers[h]);
         for (int64_t j = 0; j < count; ++j) {
           const int h = j / Vec::size(), lane = j % Vec::size();
-          store_sample(sample_values<A>(p, n, c + j), centers[h][lane], values[h][lane],
-                       values[2 + h][lane]);
+          store_sample(sample_values<A>(p, n * L.channels + c + j), centers[h][lane],
+                       values[h][lane], values[2 + h][lane]);
         }
       }
     });
@@ -180,21 +180,21 @@ class CpuPass {
           const int64_t begin = L.group_begin(g), end = L.group_end(g);
           const int64_t gc = g * L.channels + c;
           const A count = A((end - begin) * L.spatial);
+          const auto sample = [&](int64_t n) { return sample_values<A>(p, n * L.channels + c); };
           if constexpr (kBackward) {
             A q1 = 0, q2 = 0;
             for (int64_t n = begin; n < end; ++n) {
-              q1 += sample_values<A>(p, n, c)[0];
-              q2 += sample_values<A>(p, n, c)[1];
+              q1 += sample(n)[0];
+              q2 += sample(n)[1];
             }
             group_backward<A>(p, gc, c, q1, q2, count);
           } else {  // the M2s merge around the group's mean (local_bn.h)
             const A reference = group_reference<A>(p, g, c);
             A offsets = 0, m2 = 0;
-            for (int64_t n = begin; n < end; ++n)
-              offsets += sample_offset(sample_values<A>(p, n, c), reference);
+            for (int64_t n = begin; n < end; ++n) offsets += sample_offset(sample(n), reference);
             const A mean_offset = offsets / A(end - begin);
             for (int64_t n = begin; n < end; ++n)
-              m2 += merged_m2(sample_values<A>(p, n, c), reference, mean_offset, A(L.spatial));
+              m2 += merged_m2(sample(n), reference, mean_offset, A(L.spatial));
             group_forward<A>(p, gc, c, reference + mean_offset, m2, count);
           }
           first_total += static_cast<const A*>(p.group_values)[2 * gc];

@@ -44,7 +44,7 @@ __device__ __forceinline__ void accumulate(A x, A dy, A center, A& q1, A& q2) {
 // center, mean offset and M2 (forward) from the sums of d and d^2.
 template <bool kBackward, typename A>
 __device__ __forceinline__ void store_sample(const BnPass& p, int64_t nc, A center, A q1, A q2) {
-  A* out = sample_values<A>(p, nc / p.layout.channels, nc % p.layout.channels);
+  A* out = sample_values<A>(p, nc);
   if (kBackward) {
     out[0] = q1;
     out[1] = q2;
@@ -169,11 +169,12 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const BnPass p) {
   const int64_t g = gc / l.channels, c = gc % l.channels;
   const int64_t begin = l.group_begin(g), end = l.group_end(g);
   const A count = A((end - begin) * l.spatial);
+  const auto sample = [&](int64_t n) { return sample_values<A>(p, n * l.channels + c); };
   if constexpr (kBackward) {
     A q1 = 0, q2 = 0;
     for (int64_t n = begin + lane; n < end; n += 32) {
-      q1 += sample_values<A>(p, n, c)[0];
-      q2 += sample_values<A>(p, n, c)[1];
+      q1 += sample(n)[0];
+      q2 += sample(n)[1];
     }
     q1 = warp_sum(q1);
     q2 = warp_sum(q2);
@@ -182,11 +183,11 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const BnPass p) {
     const A reference = group_reference<A>(p, g, c);
     A offsets = 0;
     for (int64_t n = begin + lane; n < end; n += 32)
-      offsets += sample_offset(sample_values<A>(p, n, c), reference);
+      offsets += sample_offset(sample(n), reference);
     const A mean_offset = warp_sum(offsets) / A(end - begin);
     A m2 = 0;
     for (int64_t n = begin + lane; n < end; n += 32)
-      m2 += merged_m2(sample_values<A>(p, n, c), reference, mean_offset, A(l.spatial));
+      m2 += merged_m2(sample(n), reference, mean_offset, A(l.spatial));
     m2 = warp_sum(m2);
     if (lane == 0) group_forward<A>(p, gc, c, reference + mean_offset, m2, count);
   }
