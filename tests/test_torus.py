@@ -408,30 +408,35 @@ def test_ddp_with_powersgd_hook_matches_gloo(world_size):
         assert result["allreduces"] == {"cpu torus": 2 + 3 * 3}
 
 
-def size_mismatch(rank, world_size, port):
-    init(rank, world_size, port, seconds=5)
+def mismatched_first_call(rank, world_size, port, numels, algorithm):
+    """Each rank's first allreduce of numels[rank] elements, then a second of 1000 alike (which
+    must not pair with another rank's first): (seconds, the error raised, or None)."""
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=5)
     # Every rank's groups are connected before any rank can abort (a rank that Gloo aborts
     # resets the connections of a group another rank is still building).
     dist.barrier()
     start = time.monotonic()
-    tensor = torch.ones(1000 + (rank == 1) * 500)
     try:
-        dist.all_reduce(tensor)
+        dist.all_reduce(torch.ones(numels[rank]))
+        dist.all_reduce(torch.full((1000,), 10.0))
     except RuntimeError as error:
         return time.monotonic() - start, str(error)
     return time.monotonic() - start, None
 
 
-def empty_on_one_rank(rank, world_size, port, algorithm):
-    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=5)
-    dist.barrier()  # see size_mismatch
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(0 if rank == 1 else 1000))
-        dist.all_reduce(torch.full((1000,), 10.0))  # must not pair with the others' first call
-    except RuntimeError as error:
-        return time.monotonic() - start, str(error)
-    return time.monotonic() - start, None
+def errors_of_failed_ranks(outcomes, timeout):
+    """Every rank was aborted by Gloo's transport (receiving more bytes than it posted) or
+    raised within the timeout, none returned a result: the errors raised."""
+    errors = []
+    for rank, outcome in enumerate(outcomes):
+        if outcome[0] == "exited":
+            assert outcome[1] == -6, f"rank {rank} exited with {outcome[1]}"
+            continue
+        seconds, message = outcome
+        assert message is not None, f"rank {rank} returned a result despite the fault"
+        assert seconds < timeout + 3, f"rank {rank} failed after {seconds:.1f} s (timeout {timeout} s)"
+        errors.append(message)
+    return errors
 
 
 @pytest.mark.parametrize("algorithm", ["torus", "auto"])
@@ -441,14 +446,9 @@ def test_an_empty_tensor_on_one_rank_is_an_error_not_a_shifted_call(algorithm):
     the others' first, and both came back with sums of 13 and no error. Now every rank raises
     within the timeout or, receiving more than it posted, is aborted by Gloo (as for any size
     mismatch)."""
-    outcomes = run_ranks(empty_on_one_rank, 4, algorithm, deadline=60, allow_missing=range(4))
-    for rank, outcome in enumerate(outcomes):
-        if outcome[0] == "exited":
-            assert outcome[1] == -6, f"rank {rank} exited with {outcome[1]}"
-            continue
-        seconds, message = outcome
-        assert message is not None, f"rank {rank} returned a result despite the fault"
-        assert seconds < 5 + 3, f"rank {rank} failed after {seconds:.1f} s (timeout 5 s)"
+    outcomes = run_ranks(mismatched_first_call, 4, [1000, 0, 1000, 1000], algorithm,
+                         deadline=60, allow_missing=range(4))
+    errors_of_failed_ranks(outcomes, timeout=5)
 
 
 def killed_rank(rank, world_size, port, collective):
@@ -537,18 +537,11 @@ def test_size_mismatch_ends_every_rank_within_timeout():
     """Gloo's transport aborts a process that receives more bytes than it posted (plain Gloo
     does the same): such ranks exit with SIGABRT; every other rank raises an error that names
     the torus phase. No rank returns a result, none hangs."""
-    outcomes = run_ranks(size_mismatch, 4, deadline=60, allow_missing=range(4))
-    raised = 0
-    for rank, outcome in enumerate(outcomes):
-        if outcome[0] == "exited":
-            assert outcome[1] == -6, f"rank {rank} exited with {outcome[1]}"
-            continue
-        seconds, message = outcome
-        assert message is not None, f"rank {rank} returned a result despite the fault"
-        assert seconds < 5 + 3, f"rank {rank} failed after {seconds:.1f} s (timeout 5 s)"
-        assert "torus allreduce" in message, message
-        raised += 1
-    assert raised > 0
+    outcomes = run_ranks(mismatched_first_call, 4, [1000, 1500, 1000, 1000], "auto",
+                         deadline=60, allow_missing=range(4))
+    errors = errors_of_failed_ranks(outcomes, timeout=5)
+    assert all("torus allreduce" in message for message in errors), errors
+    assert errors
 
 
 def differing_calls(rank, world_size, port, shape, mine, theirs):
