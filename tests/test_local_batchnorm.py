@@ -300,6 +300,37 @@ def test_convert_a_batchnorm_itself():
     assert (local.eps, local.momentum, local.weight) == (1e-3, 0.2, None)
 
 
+def test_convert_a_batchnorm_used_twice_keeps_one_module_in_both_places():
+    shared = nn.BatchNorm2d(3)
+    twice_in_one_parent = nn.Sequential(nn.Conv2d(3, 3, 1), shared, nn.ReLU(), shared)
+    bb.nn.convert_local_batchnorm(twice_in_one_parent, group_size=4)
+    assert type(twice_in_one_parent[1]) is bb.nn.LocalBatchNorm2d
+    assert twice_in_one_parent[3] is twice_in_one_parent[1]  # was a plain BatchNorm2d
+
+    other = nn.BatchNorm2d(3)
+    in_two_parents = nn.Sequential(nn.Sequential(other), nn.Sequential(other))
+    bb.nn.convert_local_batchnorm(in_two_parents, group_size=4)
+    assert type(in_two_parents[0][0]) is bb.nn.LocalBatchNorm2d
+    assert in_two_parents[1][0] is in_two_parents[0][0]  # was two modules
+
+
+def test_convert_sets_the_group_size_of_layers_already_local():
+    model = nn.Sequential(bb.nn.LocalBatchNorm2d(3, group_size=32))
+    bb.nn.convert_local_batchnorm(model, group_size=4)
+    assert model[0].group_size == 4  # was left at 32
+    with pytest.raises(ValueError, match="group_size"):
+        bb.nn.convert_local_batchnorm(model, group_size=1)
+
+
+def test_convert_refuses_a_lazy_batchnorm_not_yet_initialized():
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match="LazyBatchNorm2d has not seen an input"):
+        bb.nn.convert_local_batchnorm(model)  # it became a plain BatchNorm2d at its first forward
+    model(torch.randn(4, 3, 2, 2))
+    bb.nn.convert_local_batchnorm(model, group_size=2)
+    assert type(model[1]) is bb.nn.LocalBatchNorm2d
+
+
 def test_zero_init_last_bn():
     model = small_resnet()
     names = bb.nn.zero_init_last_bn(model)

@@ -4,7 +4,8 @@ al.'s zero-initialized last BatchNorm of each residual block."""
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .local_batchnorm import LocalBatchNorm, LocalBatchNorm1d, LocalBatchNorm2d, LocalBatchNorm3d
+from .local_batchnorm import (LocalBatchNorm, LocalBatchNorm1d, LocalBatchNorm2d, LocalBatchNorm3d,
+                              _checked_group_size)
 
 _LOCAL_OF = ((nn.BatchNorm1d, LocalBatchNorm1d), (nn.BatchNorm2d, LocalBatchNorm2d),
              (nn.BatchNorm3d, LocalBatchNorm3d), (nn.SyncBatchNorm, LocalBatchNorm))
@@ -17,13 +18,40 @@ def convert_local_batchnorm(module, group_size=32):
     The new layers take over the same weight and bias Parameters and the same buffers (so an
     optimizer built before still holds them), eps, momentum and train/eval mode; like
     nn.SyncBatchNorm.convert_sync_batchnorm, children are replaced in place and a BatchNorm
-    given as `module` itself is returned converted.
+    given as `module` itself is returned converted. A BatchNorm used in several places becomes
+    one LocalBatchNorm used in all of them; a LocalBatchNorm already there takes `group_size`.
+    A lazy BatchNorm not yet initialized is refused (run one forward first): left as it is, it
+    would become a plain BatchNorm at its first forward.
     """
-    local = next((target for source, target in _LOCAL_OF if isinstance(module, source)), None)
-    if local is None:
-        for name, child in module.named_children():
-            module.add_module(name, convert_local_batchnorm(child, group_size))
-        return module
+    return _converted(module, _checked_group_size(group_size), {})
+
+
+def _converted(module, group_size, done):
+    """`module` converted; `done` maps the id of every module converted so far to its result."""
+    if id(module) in done:
+        return done[id(module)]
+    if isinstance(module, LocalBatchNorm):
+        module.group_size = group_size
+        result = module
+    elif isinstance(module, nn.modules.lazy.LazyModuleMixin) \
+            and isinstance(module, _BatchNorm) and module.has_uninitialized_params():
+        raise ValueError(f"convert_local_batchnorm: {type(module).__name__} has not seen an "
+                         "input yet; run one forward through the model before converting it")
+    else:
+        local = next((target for source, target in _LOCAL_OF if isinstance(module, source)),
+                     None)
+        result = module if local is None else _local_copy(module, local, group_size)
+    done[id(module)] = result
+    if result is module:
+        # _modules, not named_children(): that skips a child listed twice, which would then
+        # keep the BatchNorm in its second place
+        for name, child in module._modules.items():
+            if child is not None:
+                module._modules[name] = _converted(child, group_size, done)
+    return result
+
+
+def _local_copy(module, local, group_size):
     converted = local(module.num_features, group_size, module.eps, module.momentum, module.affine,
                       module.track_running_stats, device="meta")
     for name in ("weight", "bias"):
