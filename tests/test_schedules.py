@@ -150,6 +150,27 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="multiple of the world size"):
         DistributedBatchSampler(100, 10, rank=0, world_size=4)
 
+    with pytest.raises(ValueError, match="constant warmup at warmup_start_factor=0"):
+        LargeBatchLR(optimizer(1.0), 10, 5, warmup="constant")  # was LR 0 for 5 epochs
+    with pytest.raises(ValueError, match="invalid entry 2: True"):
+        BatchSizeSchedule({0: 32, 2: True})  # was a batch of 1
+    for rank, world_size, dataset_size in ((0.5, 2, 100), (0, 2.0, 100), (0, 2, -1)):
+        with pytest.raises(ValueError, match="must be an int"):
+            DistributedBatchSampler(dataset_size, 10, rank=rank, world_size=world_size)
+    sampler = DistributedBatchSampler(50, 10, rank=0, world_size=2)
+    for epoch, first_batch in ((0, -1), (-1, 0), (0, 1.5)):
+        with pytest.raises(ValueError, match="must be an int >= 0"):
+            sampler.set_epoch(epoch, first_batch)  # (0, -1) yielded an empty first batch
+
+
+def test_milestones_and_a_batch_size_schedule_in_any_form():
+    scheduler = LargeBatchLR(optimizer(1.0), 1, 5, warmup="none",
+                             milestones=(m for m in (2, 4)))  # a generator: was used up, no decay
+    assert lrs(scheduler, 5) == pytest.approx([1.0, 1.0, 0.1, 0.1, 0.01])
+    scheduler = LargeBatchLR(optimizer(1.0), [4, 4, 2], 3, warmup="none", decay="none",
+                             batch_size_schedule={0: 64, 2: 128})  # a dict, as the sampler takes
+    assert lrs(scheduler, 10) == pytest.approx([1.0] * 8 + [2.0] * 2)
+
 
 def epoch_batches(dataset_size, schedule, world_size, epoch, seed=0, drop_last=True):
     """Every rank's batches of one epoch."""

@@ -4,6 +4,7 @@ and the one data loader of in-memory tensors and of datasets of single samples."
 import os
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 from train_job import import_script
@@ -113,6 +114,9 @@ def test_seeded_samples_depend_on_seed_epoch_and_index_only():
     assert not torch.equal(forward[0], forward[1])
     samples.set_epoch(1)
     assert not any(torch.equal(samples[i], forward[i]) for i in range(4))
+    samples.set_epoch(0)
+    for index in (numpy.int64(3), torch.tensor(3)):  # as custom samplers yield them
+        assert torch.equal(samples[index], forward[3])  # was an OverflowError
 
 
 def image_folder(classes, labels):

@@ -1,5 +1,7 @@
 """Random augmentation that a resumed run repeats exactly."""
 
+import operator
+
 import torch
 from torch.utils.data import Dataset
 
@@ -26,6 +28,7 @@ class SeededSamples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
+        index = operator.index(index)  # numpy and tensor indices too (their products overflow)
         seed = ((self.seed * _MIX + self.epoch) * _MIX + index) % 2**63
         with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
             torch.manual_seed(seed)

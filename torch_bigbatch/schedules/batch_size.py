@@ -7,6 +7,10 @@ import torch
 from torch.utils.data import Sampler
 
 
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class BatchSizeSchedule:
     """The global batch size of every epoch, from {first epoch: batch size} (an int: constant).
 
@@ -21,7 +25,7 @@ class BatchSizeSchedule:
             raise ValueError("batch sizes must be an int or a dict {first epoch: batch size} "
                              f"with an entry for epoch 0, got {batch_sizes!r}")
         for epoch, size in batch_sizes.items():
-            if not (isinstance(epoch, int) and epoch >= 0 and isinstance(size, int) and size > 0):
+            if not (_is_int(epoch) and epoch >= 0 and _is_int(size) and size > 0):
                 raise ValueError(f"invalid entry {epoch!r}: {size!r} (epochs are ints >= 0, "
                                  "batch sizes ints > 0)")
         self.starts = sorted(batch_sizes)
@@ -65,8 +69,11 @@ class DistributedBatchSampler(Sampler):
     """
 
     def __init__(self, dataset_size, schedule, rank, world_size, seed=0, drop_last=True):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if not (_is_int(rank) and _is_int(world_size) and 0 <= rank < world_size):
+            raise ValueError(f"rank must be an int in [0, world_size), and world_size a positive "
+                             f"int; got rank {rank!r}, world_size {world_size!r}")
+        if not (_is_int(dataset_size) and dataset_size >= 0):
+            raise ValueError(f"dataset_size must be an int >= 0, got {dataset_size!r}")
         self.schedule = schedule if isinstance(schedule, BatchSizeSchedule) \
             else BatchSizeSchedule(schedule)
         self.schedule.check_divisible(world_size)
@@ -74,6 +81,9 @@ class DistributedBatchSampler(Sampler):
         self.seed, self.drop_last, self.epoch, self.first_batch = seed, drop_last, 0, 0
 
     def set_epoch(self, epoch, first_batch=0):
+        for name, value in (("epoch", epoch), ("first_batch", first_batch)):
+            if not (_is_int(value) and value >= 0):  # a negative first batch yielded an empty one
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.epoch, self.first_batch = epoch, first_batch
 
     def __len__(self):

@@ -5,6 +5,8 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from .batch_size import BatchSizeSchedule
+
 WARMUPS = ("gradual", "constant", "none")
 DECAYS = ("step", "poly", "cosine", "none")
 
@@ -43,6 +45,12 @@ class LargeBatchLR(LRScheduler):
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         if decay not in DECAYS:
             raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
+        if isinstance(batch_size_schedule, (dict, int)):  # as DistributedBatchSampler takes it
+            batch_size_schedule = BatchSizeSchedule(batch_size_schedule)
+        milestones = tuple(milestones)  # an iterator would be used up by the checks below
+        if warmup == "constant" and warmup_epochs > 0 and warmup_start_factor == 0:
+            raise ValueError("a constant warmup at warmup_start_factor=0 trains at LR 0 for "
+                             f"{warmup_epochs} epochs: give the factor (Goyal et al.: 256 / batch)")
         if isinstance(iterations_per_epoch, int):
             if batch_size_schedule is not None and len(set(batch_size_schedule.sizes)) > 1:
                 raise ValueError("iterations_per_epoch must be one int per epoch when the batch "
