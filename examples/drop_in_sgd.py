@@ -39,13 +39,14 @@ def main():
 
     for step in range(args.steps):
         optimizer.zero_grad()
+        lr = optimizer.param_groups[0]["lr"]  # this step's (warmup.step() sets the next one's)
         loss = nn.functional.cross_entropy(model(images), labels, label_smoothing=0.1)
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # the kernel unscales and skips on inf, without a host sync
         scaler.update()
         warmup.step()
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:3d}  loss {loss.item():.4f}  lr {optimizer.param_groups[0]['lr']:.4f}")
+            print(f"step {step:3d}  loss {loss.item():.4f}  lr {lr:.4f}")
 
 
 if __name__ == "__main__":

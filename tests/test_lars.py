@@ -95,4 +95,7 @@ def test_lars_refuses_a_trust_coefficient_of_zero():
     formula gives no step at all: refused, pointing at lars_exclude."""
     with pytest.raises(ValueError, match="lars_exclude"):
         bb.optim.LARS([torch.zeros(2, requires_grad=True)], lr=0.1, trust_coefficient=0.0)
+    for options in ({"trust_coefficient": float("nan")}, {"eps": float("nan")}):  # were taken
+        with pytest.raises(ValueError, match="Invalid"):
+            bb.optim.LARS([torch.zeros(2, requires_grad=True)], lr=0.1, **options)
 

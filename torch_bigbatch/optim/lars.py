@@ -27,10 +27,10 @@ class LARS(_FusedSGD):
 
     def add_param_group(self, param_group):
         group = {**self.defaults, **param_group}
-        if group["trust_coefficient"] <= 0.0:  # the kernel reads 0 as "not adapted"
+        if not group["trust_coefficient"] > 0.0:  # 0 reads "not adapted" in the kernel; NaN too
             raise ValueError(f"Invalid trust_coefficient value: {group['trust_coefficient']} "
                              "(it must be positive; lars_exclude=True steps a group as plain SGD)")
-        if group["eps"] < 0.0:
+        if not group["eps"] >= 0.0:  # NaN too
             raise ValueError(f"Invalid eps value: {group['eps']}")
         super().add_param_group(param_group)
 
