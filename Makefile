@@ -4,16 +4,28 @@ PIP := $(PYTHON) -m pip
 BUILD := build/make
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 APT := $(shell [ "$$(id -u)" = 0 ] || echo sudo) env DEBIAN_FRONTEND=noninteractive apt-get
-SOURCES := $(shell find csrc torch_bigbatch -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py') setup.py pyproject.toml
+# What the build compiles (an editable install reads the Python files where they are).
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh') \
+  setup.py pyproject.toml
+# The interpreter and the torch the package was built for: another of either rebuilds it.
+TORCH_OF_PYTHON = $(PYTHON) -c "import sys, importlib.metadata as m; \
+  print(sys.executable, m.version('torch'))" 2>/dev/null || echo none
 
-.PHONY: install demo demo-cluster test test-cuda-build gpu-data gpu-build test-gpu bench-gpu
+.PHONY: install demo demo-cluster test test-cuda-build gpu-data gpu-build test-gpu bench-gpu FORCE
 
-# torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch.
-$(BUILD)/installed: $(SOURCES)
+# Rewritten only when the interpreter or its torch changed since the last build.
+$(BUILD)/torch-of-python: FORCE
 	@mkdir -p $(BUILD)
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install ninja pytest pytest-timeout matplotlib
+	@($(TORCH_OF_PYTHON)) | cmp -s - $@ || ($(TORCH_OF_PYTHON)) > $@
+
+# torch 2.13.0 is the CPU wheel on this kind of machine; a GPU machine brings its own torch
+# (asked of pip's records, not by importing it: a torch that fails to import is not replaced).
+$(BUILD)/installed: $(SOURCES) $(BUILD)/torch-of-python
+	$(PYTHON) -c "import importlib.metadata as m; m.version('torch')" 2>/dev/null \
+	  || $(PIP) install torch==2.13.0
+	$(PIP) install 'setuptools>=64' wheel ninja pytest pytest-timeout matplotlib
 	$(PIP) install --no-build-isolation -e .
+	@($(TORCH_OF_PYTHON)) > $(BUILD)/torch-of-python
 	@touch $@
 
 # The real data of the demo and the tests: Debian's Fashion-MNIST (no download at run time).
@@ -69,10 +81,12 @@ gpu-data: $(FASHION_MNIST)
 	cp /usr/share/datasets/fashion-mnist/*.gz $(GPU_DATA)/
 
 # The lent machines set CXX to a g++ that links its own libstdc++ (setup.py refuses it: torch's
-# C++ errors crash such a build): their distribution's g++ builds the package.
+# C++ errors crash such a build): their distribution's g++ builds the package, and its gcc is
+# nvcc's host compiler (torch's build passes CC to nvcc as -ccbin).
 GPU_CXX ?= g++
+GPU_CC ?= gcc
 gpu-build: export CXX = $(GPU_CXX)
-gpu-build: export CUDAHOSTCXX = $(GPU_CXX)
+gpu-build: export CC = $(GPU_CC)
 gpu-build:
 	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
 	  'no GPU: this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"

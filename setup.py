@@ -16,8 +16,18 @@ import sys
 from collections import Counter
 
 import setuptools
-import torch
 from setuptools import find_packages, setup
+
+_NO_TORCH = ("torch_bigbatch builds against the torch installed in this environment: install "
+             "torch first, then build with `pip install --no-build-isolation -e .`")
+try:
+    import torch
+except ImportError:
+    raise SystemExit(f"torch_bigbatch: no torch to build against ({_NO_TORCH})") from None
+if "pip-build-env-" in torch.__file__:  # pip's isolated build: a torch other than the user's
+    raise SystemExit(f"torch_bigbatch: this build would use {torch.__file__}, a torch pip "
+                     f"installed for the build alone, not the one the package runs with "
+                     f"({_NO_TORCH})")
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # The GPUs we target (A100, H100), and PTX that newer ones compile at load time. Used when the
@@ -73,7 +83,9 @@ def check_cxx_runtime():
         return
     others = [name for name in ("g++", "c++", "/usr/bin/g++")
               if shutil.which(name) and links_shared_libstdcxx(name)]
-    remedy = (f"for example CXX={others[0]} CUDAHOSTCXX={others[0]}" if others
+    # CC too: torch's build hands it to nvcc as its host compiler (-ccbin)
+    c_compiler = "gcc" if shutil.which("gcc") else others[0] if others else None
+    remedy = (f"for example CXX={others[0]} CC={c_compiler}" if others
               else "install one (the distribution's g++)")
     raise SystemExit(f"torch_bigbatch: the C++ compiler {compiler} (CXX) has no shared libstdc++: "
                      "it would link its own copy into the extension, and torch's C++ errors would "
@@ -114,9 +126,25 @@ def is_toolkit(folder):
             and os.path.isfile(os.path.join(folder, "include", "cuda_runtime.h")))
 
 
+def nvcc_major(folder):
+    """The CUDA major version of the nvcc in `folder`, or None where it does not say."""
+    try:
+        answer = subprocess.run([os.path.join(folder, "bin", "nvcc"), "--version"],
+                                capture_output=True, text=True, timeout=60)
+        found = re.search(r"release (\d+)\.", answer.stdout)
+    except (OSError, subprocess.SubprocessError):
+        found = None
+    return found.group(1) if found else None
+
+
 def cuda_toolkit():
-    """The CUDA toolkit to build the CUDA half with; stops the build with what to set when
-    there is none."""
+    """The CUDA toolkit to build the CUDA half with: one of torch's CUDA major version (torch's
+    build refuses another with a bare traceback); stops the build with what to set when there
+    is none."""
+    wanted = torch.version.cuda.split(".")[0]
+    remedy = (f"install CUDA {wanted}.x (torch {torch.__version__} is a CUDA {torch.version.cuda} "
+              "build) and set CUDA_HOME to its folder, or set TORCH_BIGBATCH_CPU_ONLY=1 to build "
+              "without the CUDA kernels")
     for variable in ("CUDA_HOME", "CUDA_PATH"):
         folder = os.environ.get(variable)
         if folder:
@@ -124,18 +152,25 @@ def cuda_toolkit():
                 raise SystemExit(f"torch_bigbatch: {variable}={folder} is not a CUDA toolkit (no "
                                  "bin/nvcc or include/cuda_runtime.h in it): set it to the "
                                  "toolkit's folder, for example /usr/local/cuda")
+            found = nvcc_major(folder)
+            if found not in (wanted, None):
+                raise SystemExit(f"torch_bigbatch: {variable}={folder} holds CUDA {found}: "
+                                 f"{remedy}")
             return folder
     nvcc = shutil.which("nvcc")
     candidates = [toolkit_of_nvcc(nvcc)] if nvcc else []
     candidates.append("/usr/local/cuda")
+    seen = []
     for folder in candidates:
         if is_toolkit(folder):
-            return folder
-    raise SystemExit(
-        f"torch_bigbatch: torch {torch.__version__} is a CUDA {torch.version.cuda} build, but no "
-        f"CUDA toolkit was found (looked at {', '.join(candidates)}): install one (nvcc "
-        f"{torch.version.cuda.split('.')[0]}.x) and set CUDA_HOME to its folder, or set "
-        "TORCH_BIGBATCH_CPU_ONLY=1 to build without the CUDA kernels")
+            found = nvcc_major(folder)
+            if found in (wanted, None):
+                return folder
+            seen.append(f"{folder} holds CUDA {found}")
+        else:
+            seen.append(f"{folder} is not a toolkit")
+    raise SystemExit(f"torch_bigbatch: no CUDA {wanted} toolkit found ({'; '.join(seen)}): "
+                     f"{remedy}")
 
 
 def with_cuda():

@@ -63,7 +63,7 @@ def test_a_compiler_that_links_its_own_libstdcxx_is_refused(tmp_path):
                             env={"CXX": str(static_gxx)})
     assert result.returncode != 0 and "setup() was reached" not in result.stderr
     assert f"the C++ compiler {static_gxx} (CXX) has no shared libstdc++" in result.stderr
-    assert "for example CXX=g++ CUDAHOSTCXX=g++" in result.stderr, result.stderr
+    assert "for example CXX=g++ CC=gcc" in result.stderr, result.stderr
     # Behind a wrapper, as torch's build runs CXX ("ccache g++"): the same answer.
     wrapped = run_setup_with(tmp_path / "wrapped", "80.0.0", wheel=True, command="build_ext",
                              env={"CXX": f"env {static_gxx}"})
@@ -73,3 +73,52 @@ def test_a_compiler_that_links_its_own_libstdcxx_is_refused(tmp_path):
     plain = run_setup_with(tmp_path / "plain", "80.0.0", wheel=True, command="build_ext",
                            env={"CXX": "g++"})
     assert "has no shared libstdc++" not in plain.stderr, plain.stderr
+
+
+def run_setup_code(code, env=None):
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_a_build_without_torch_says_to_install_it_and_skip_build_isolation():
+    """pip's isolated build has no torch (pyproject.toml asks for none, since it would fetch
+    the newest and build against it): a clear stop, not a package that cannot load."""
+    result = run_setup_code("import runpy, sys; sys.modules['torch'] = None; "
+                            "sys.argv = ['setup.py', 'dist_info']; runpy.run_path('setup.py')")
+    assert result.returncode != 0
+    assert "no torch to build against" in result.stderr, result.stderr
+    assert "pip install --no-build-isolation -e ." in result.stderr, result.stderr
+
+
+def test_pyproject_leaves_the_installed_torch_alone():
+    """No torch among the build requirements (an isolated build would fetch the newest), and
+    the dependency admits vendor and nightly builds of 2.11 (2.11.0a0+git...), which a plain
+    ">=2.11" counts as older and pip would replace."""
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    build = text[text.index("[build-system]"):text.index("[project]")]
+    assert "torch" not in build.split("requires", 1)[1].split("\n", 1)[0], build
+    assert 'dependencies = ["torch>=2.11.0.dev0"]' in text
+    from packaging.specifiers import SpecifierSet
+    for version in ("2.11.0a0+git1234", "2.11.0.dev20260101", "2.11.0", "2.13.0+cpu"):
+        assert SpecifierSet(">=2.11.0.dev0").contains(version, prereleases=True), version
+    assert not SpecifierSet(">=2.11.0.dev0").contains("2.10.0", prereleases=True)
+
+
+def test_a_toolkit_of_another_cuda_major_version_is_named(tmp_path):
+    """A CUDA 12 toolkit beside a CUDA 13 torch: torch's build would stop with a bare traceback
+    after 'building the CUDA half'; setup.py names both versions and what to set."""
+    toolkit = tmp_path / "cuda-12"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    nvcc.chmod(0o755)
+    result = run_setup_code(
+        "import runpy, sys, torch; torch.version.cuda = '13.0'; "
+        "sys.argv = ['setup.py', 'build_ext']; runpy.run_path('setup.py')",
+        env={"CUDA_HOME": str(toolkit), "TORCH_BIGBATCH_CPU_ONLY": "0", "CXX": "g++"})
+    assert result.returncode != 0
+    assert f"CUDA_HOME={toolkit} holds CUDA 12" in result.stderr, result.stderr
+    assert "install CUDA 13.x" in result.stderr and "TORCH_BIGBATCH_CPU_ONLY=1" in result.stderr
+    assert "building the CUDA half" not in result.stdout
