@@ -1,5 +1,6 @@
 """The "torus" backend against Gloo's own collectives, on real processes over loopback."""
 
+import dataclasses
 import datetime
 import json
 import os
@@ -880,13 +881,14 @@ def test_rank_zero_logs_each_decision(tmp_path, world_size, segments):
     rank, from 8 to 16 MiB (torch_bigbatch.distributed.torus.cpu_segment_bytes)."""
     results = run_ranks(decision_log, world_size, str(tmp_path))
     text, chosen = results[0]
-    lines = [line for line in text.splitlines() if line.startswith("torch_bigbatch torus:")]
+    lines = [line for line in text.splitlines() if line.startswith("torch_bigbatch torus")]
     assert len(lines) == 1, text
-    assert lines[0].startswith(f"torch_bigbatch torus: cpu allreduces over 2 KiB up to 4 KiB "
-                               f"run {chosen}"), lines
+    group = f"ranks 0-{world_size - 1} as {'x'.join(map(str, resolve_shape(world_size)))}"
+    assert lines[0].startswith(f"torch_bigbatch torus ({group}): cpu allreduces over 2 KiB up to "
+                               f"4 KiB run {chosen}"), lines
     for candidate in ("flat ", f"torus ({segments} segments) ", "torus (one shot) "):
         assert candidate in lines[0], lines
-    assert all("torch_bigbatch torus:" not in text for text, _ in results[1:])
+    assert all("torch_bigbatch torus" not in text for text, _ in results[1:])
 
 
 def pinned(rank, world_size, port, table):
@@ -908,7 +910,7 @@ def test_a_pinned_table_skips_the_trials(tmp_path, segment_bytes, one_shot):
     path.write_text(json.dumps(table))
     for rows, counts, chosen in run_ranks(pinned, 4, str(path)):
         assert counts == {"cpu torus": 3} and chosen == "torus"
-        assert rows == [{**table[0], "source": "pinned", "candidates": []}]
+        assert rows == [{**table[0], "source": "pinned", "candidates": [], "shape": "2x2"}]
 
 
 def test_a_bad_table_is_refused(tmp_path):
@@ -923,6 +925,94 @@ def test_a_bad_table_is_refused(tmp_path):
         TorusOptions(table=[{"device": "cpu"}])
     with pytest.raises(ValueError, match="applies to algorithm 'auto'"):
         TorusOptions(algorithm="torus", table=[])
+    row = {"device": "cpu", "max_bytes": 4096, "algorithm": "flat"}
+    for bad in ({"max_bytes": 3000},  # was the class up to 4096: 3500 bytes pinned too
+                {"max_bytes": 1 << 20, "min_bytes": 0},  # pinned the top class only
+                {"max_bytes": 0}, {"max_bytes": 4096.9}, {"max_bytes": "4096"},
+                {"max_bytes": True}, {"segment_bytes": -5}, {"algorithm": "torus",
+                                                              "segment_bytes": 1.5}):
+        with pytest.raises(ValueError, match="max_bytes a power of two"):
+            TorusOptions(table=[{**row, **bad}])
+    with pytest.raises(ValueError, match="pins cpu allreduces of up to 4096 bytes twice"):
+        TorusOptions(table=[row, {**row, "algorithm": "torus", "one_shot": True}])
+    # A table given to the options stays as given: the options can be copied.
+    options = TorusOptions(table=[row])
+    assert dataclasses.replace(options, shape="2x2").table == [row]
+
+
+def test_options_refused_where_they_would_be_ignored_or_fail_late(monkeypatch):
+    with pytest.raises(ValueError, match="torus_max_bytes applies to algorithm 'auto', not to "
+                                         "'torus'"):
+        TorusOptions(algorithm="torus", torus_max_bytes=1 << 20)
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS_ALGORITHM", "flat")
+    with pytest.raises(ValueError, match="not to 'flat' \\(from TORCH_BIGBATCH_TORUS_ALGORITHM"):
+        TorusOptions(torus_max_bytes=1 << 20)
+    monkeypatch.delenv("TORCH_BIGBATCH_TORUS_ALGORITHM")
+    with pytest.raises(ValueError, match="torus_max_bytes must be an int"):
+        TorusOptions(torus_max_bytes=1e6)  # failed in init_process_group, after the groups
+    with pytest.raises(ValueError, match="segment_bytes must be a positive int"):
+        TorusOptions(segment_bytes=1.5e6)
+    with pytest.raises(ValueError, match="a torus shape is"):
+        TorusOptions(shape="2x")
+
+
+def tables_of_another_shape(rank, world_size, port, path):
+    """A 1x2 group given a table measured as 2x2: refused when given to the group, left out
+    when it comes from TORCH_BIGBATCH_TORUS_TABLE (which every torus group reads)."""
+    init(rank, world_size, port)
+    rows = [{"device": "cpu", "max_bytes": 4096, "algorithm": "flat", "shape": "2x2"}]
+    try:
+        dist.new_group(backend="torus", pg_options=TorusOptions(table=rows))
+    except ValueError as error:
+        refused = str(error)
+    else:
+        refused = None
+    one_shot = [{"device": "cpu", "max_bytes": 32 << 20, "algorithm": "torus", "one_shot": True}]
+    try:  # the one-shot form runs up to 256 KiB: a pinned 32 MiB class once ran it
+        dist.new_group(backend="torus", pg_options=TorusOptions(table=one_shot))
+    except RuntimeError as error:
+        too_large = str(error)
+    else:
+        too_large = None
+    os.environ["TORCH_BIGBATCH_TORUS_TABLE"] = path
+    group = dist.new_group(backend="torus")
+    return refused, too_large, torus_algorithm(4000, group)
+
+
+@pytest.mark.slow
+def test_a_table_holds_for_the_shape_it_was_measured_in(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps([{"device": "cpu", "max_bytes": 4096, "algorithm": "flat",
+                                 "shape": "2x2"}]))
+    for refused, too_large, chosen in run_ranks(tables_of_another_shape, 2, str(path)):
+        assert "the pinned table was measured in a 2x2 torus; this group is 1x2" in refused
+        assert "the one-shot torus runs buffers of up to 262144 bytes, got it pinned for cpu " \
+               "allreduces over 16 MiB up to 32 MiB" in too_large, too_large
+        assert chosen == "measuring"  # not pinned: this group measures the class
+
+
+def query_arguments(rank, world_size, port):
+    init(rank, world_size, port)
+    others = dist.new_group([1])
+    messages = []
+    for call in (lambda: torus_algorithm(-5), lambda: torus_algorithm(4000, device="meta"),
+                 lambda: torus_algorithm(4000, group=others),
+                 lambda: torus_algorithm_table(others)):
+        try:
+            call()
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    dist.barrier()  # rank 0 holds the store that rank 1's group of one still uses
+    return messages
+
+
+@pytest.mark.slow
+def test_the_queries_name_bad_arguments():
+    messages = run_ranks(query_arguments, 2)[0]
+    assert "nbytes must be an int in [0, 2**62), got -5" in messages[0]  # was "measuring"
+    assert "the torus runs cpu and cuda tensors, got device 'meta'" in messages[1]
+    assert all("this rank is not a member of the group" in m for m in messages[2:]), messages
 
 
 def size_mismatch_in_detail_mode(rank, world_size, port):
@@ -1059,6 +1149,37 @@ def test_after_a_failure_every_path_refuses():
         assert flat.startswith("torus backend is unusable after an earlier failure: "), flat
         assert "the ranks passed different buffers" in flat, flat
 
+
+
+def flat_call_without_a_peer_then_torus(rank, world_size, port):
+    """Rank 1 skips a call of a class pinned to the whole group's allreduce: rank 0's times out;
+    then rank 0 calls a class that the torus runs, on other groups."""
+    init(rank, world_size, port, TorusOptions(shape=(2, 1), table=FLAT_SMALL_TORUS_LARGE),
+         seconds=3)
+    if rank == 1:
+        time.sleep(8)
+        return None
+    outcomes = []
+    for tensor in (torch.ones(1000), torch.ones(100_000)):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(tensor)
+            outcomes.append((time.monotonic() - start, "completed"))
+        except RuntimeError as error:
+            outcomes.append((time.monotonic() - start, str(error)))
+    return outcomes
+
+
+@pytest.mark.slow
+def test_a_failure_of_the_whole_groups_allreduce_is_the_backends_first_failure():
+    """A failed flat call is recorded as the torus's are: the next call is refused at once (it
+    once went on to the torus's groups and waited a second timeout)."""
+    (flat_seconds, flat), (later_seconds, later) = run_ranks(
+        flat_call_without_a_peer_then_torus, 2, deadline=60)[0]
+    assert "torus allreduce failed in the allreduce of the whole group" in flat, flat
+    assert 2 < flat_seconds < 3 + 3, flat_seconds
+    assert later.startswith("torus backend is unusable after an earlier failure: "), later
+    assert later_seconds < 1, later_seconds
 
 def wait_past_a_timeout_then_again(rank, world_size, port):
     """Rank 1 issues 2 s late: rank 0's wait(timeout=0.3 s) ends first, then the call ends with

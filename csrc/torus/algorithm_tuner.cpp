@@ -117,12 +117,13 @@ int size_class_of(int64_t bytes) {
   return k;
 }
 
-AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
+AlgorithmTuner::AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda,
                                std::vector<PinnedClass> pinned,
                                c10::intrusive_ptr<c10d::Backend> agree,
                                std::chrono::milliseconds timeout,
                                std::shared_ptr<BackendFailure> failure, int calls_per_candidate)
     : rank_(rank),
+      group_(std::move(group)),
       cpu_(cpu),
       cuda_(cuda),
       agree_(std::move(agree)),
@@ -136,6 +137,11 @@ AlgorithmTuner::AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda,
     TORCH_CHECK(!entry.choice.one_shot || tuning(entry.device).one_shot_max_bytes > 0,
                 "torus: the one-shot torus runs on CPU tensors only, got it pinned for ",
                 c10::DeviceTypeName(entry.device, /*lower_case=*/true));
+    TORCH_CHECK(!entry.choice.one_shot ||
+                    (int64_t(1) << entry.size_class) <= tuning(entry.device).one_shot_max_bytes,
+                "torus: the one-shot torus runs buffers of up to ",
+                tuning(entry.device).one_shot_max_bytes, " bytes, got it pinned for ",
+                describe_class(entry.device, entry.size_class));
     ClassState& state = classes_[{entry.device, entry.size_class}];
     state.decided = entry.choice;
     state.source = "pinned";
@@ -326,7 +332,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   for (size_t i = 0; i < count; ++i)
     times += c10::str(i ? ", " : "", state.candidates[i].describe(), " ",
                       format_milliseconds(best[i]));
-  std::cerr << "torch_bigbatch torus: " << describe_class(device, size_class) << " run "
+  std::cerr << "torch_bigbatch torus (" << group_ << "): " << describe_class(device, size_class) << " run "
             << state.decided->describe() << " (" << times
             << ": the least over the ranks of each one's median of " << timed
             << " calls; the torus must beat flat by " << kFlatMargin * 100 << "%)"

@@ -106,10 +106,11 @@ using EventQueries = DeviceLaunchers<bool (*)(const c10::Event&)>;
 
 class AlgorithmTuner {
  public:
-  // rank: for the decision's log line (rank 0 prints it); agree: the whole CPU group, for the
+  // rank, group: for the decision's log line (rank 0 prints it, naming the group: its ranks and
+  // shape, as several groups decide alike); agree: the whole CPU group, for the
   // one MIN allreduce of each decision; timeout: how long a decision waits for its trials;
   // failure: the backend's, which a failed decision records (begin() refuses after any).
-  AlgorithmTuner(int rank, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
+  AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
                  std::shared_ptr<BackendFailure> failure, int calls_per_candidate = 5);
 
@@ -148,6 +149,7 @@ class AlgorithmTuner {
   c10::Stream timing_stream(c10::Device device);
 
   const int rank_;
+  const std::string group_;
   const DeviceTuning cpu_, cuda_;
   const c10::intrusive_ptr<c10d::Backend> agree_;
   const std::chrono::milliseconds timeout_;

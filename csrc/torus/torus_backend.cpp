@@ -77,7 +77,7 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       timeout_(settings.timeout),
       cpu_(std::move(cpu)),
       cuda_(std::move(cuda)),
-      tuner_(shape.rank, on_host(settings.cpu), on_device(settings.cuda, cuda_),
+      tuner_(shape.rank, std::move(settings.group), on_host(settings.cpu), on_device(settings.cuda, cuda_),
              std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout,
              failure_) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
@@ -258,10 +258,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
       engine_allreduce(*engines.whole, reduced, engine_op(finish_op), op_type);
   auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors);
   work->getFuture()->addCallback([finished, reduced, op = finish_op, size = getSize(),
-                                  failure = whole_group_failure("allreduce")](
-                                     c10::ivalue::Future& done) mutable {
+                                  message = whole_group_failure("allreduce"),
+                                  failure = failure_](c10::ivalue::Future& done) mutable {
     try {
-      TORCH_CHECK(!done.hasError(), failure, done.hasError() ? done.tryRetrieveErrorMessage() : "");
+      TORCH_CHECK(!done.hasError(), message, done.hasError() ? done.tryRetrieveErrorMessage() : "");
       std::vector<at::Tensor> outputs = finished->result();
       for (size_t i = 0; i < reduced.size(); ++i) {
         finish_average(reduced[i], op, size);
@@ -269,6 +269,9 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
       }
       finished->complete();
     } catch (...) {
+      // The backend's first failure, as the pipelines' are: the next call, on other groups
+      // perhaps, is refused at once instead of waiting a timeout of its own.
+      failure->record(std::current_exception());
       finished->fail(std::current_exception());
     }
   });

@@ -25,6 +25,7 @@ struct TorusSettings {
   DeviceTuning cpu, cuda;
   std::vector<PinnedClass> pinned;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string group;  // how the tuner's log line names the group ("ranks 0-3 as 2x2")
 };
 
 class TorusBackend : public c10d::Backend {

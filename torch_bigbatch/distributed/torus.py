@@ -79,11 +79,14 @@ class TorusOptions:
         differ in the last bits of a float sum: a run that must repeat bit for bit fixes the
         algorithm or pins a table.
     torus_max_bytes: with "auto", a fixed rule instead of measuring: the torus for buffers of at
-        most this many bytes, the flat allreduce above.
+        most this many bytes, the flat allreduce above (refused with another algorithm).
     table: with "auto", classes whose choice is pinned rather than measured: the rows of
         torus_algorithm_table() (a list of dicts, or the path of a JSON file of one, as
-        save_torus_algorithm_table writes); rows without an algorithm are measured. None
-        (default): the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
+        save_torus_algorithm_table writes); rows without an algorithm are measured. A row with a
+        shape pins groups of that shape only: a table given here for another shape is refused,
+        TORCH_BIGBATCH_TORUS_TABLE's rows of another shape are left out (every torus group,
+        subgroups too, reads it). None (default): the TORCH_BIGBATCH_TORUS_TABLE environment
+        variable (a path), else none.
     cuda_engine: what moves CUDA tensors: "nccl", or "gloo" (Gloo's CUDA collectives, which
         copy through host memory and block the caller until each phase has run: far slower,
         and no CUDA graph can capture them, but several ranks may share one GPU, which NCCL
@@ -102,8 +105,15 @@ class TorusOptions:
     segment_bytes: int | None = None
     table: list | str | None = None
     cuda_engine: str | None = None
+    # The table's rows as parsed (the table itself stays as given, so that the options can be
+    # copied), and whether it came from TORCH_BIGBATCH_TORUS_TABLE (it then applies to the
+    # groups of the shape it was measured in only).
+    _pinned: list = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _table_from_environment: bool = dataclasses.field(default=False, init=False, repr=False,
+                                                      compare=False)
 
     def __post_init__(self):
+        algorithm_given = self.algorithm is not None
         if self.algorithm is None:
             self.algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
         if self.algorithm not in ALGORITHMS:
@@ -114,23 +124,37 @@ class TorusOptions:
         if self.cuda_engine not in CUDA_ENGINES:
             raise ValueError(f"cuda_engine must be one of {', '.join(CUDA_ENGINES)}, got "
                              f"{self.cuda_engine!r}")
-        if self.segment_bytes is not None and self.segment_bytes <= 0:
-            raise ValueError(f"segment_bytes must be positive, got {self.segment_bytes}")
-        if self.torus_max_bytes is not None and self.torus_max_bytes < 0:
-            raise ValueError(
-                f"torus_max_bytes must be non-negative or None, got {self.torus_max_bytes}")
-        if self.table is None:
-            self.table = os.environ.get(ENV_TABLE) or None
-        if self.table is not None:
-            self.table = _pinned_rows(self.table)
+        if self.segment_bytes is not None and not (_is_int(self.segment_bytes)
+                                                   and self.segment_bytes > 0):
+            raise ValueError(f"segment_bytes must be a positive int, got {self.segment_bytes!r}")
+        if self.torus_max_bytes is not None:
+            if not (_is_int(self.torus_max_bytes) and self.torus_max_bytes >= 0):
+                raise ValueError("torus_max_bytes must be an int >= 0 or None, got "
+                                 f"{self.torus_max_bytes!r}")
+            if self.algorithm != "auto":  # it would be ignored
+                where = "" if algorithm_given else f" (from {ENV_ALGORITHM})"
+                raise ValueError(f"torus_max_bytes applies to algorithm 'auto', not to "
+                                 f"{self.algorithm!r}{where}")
+        if self.shape is not None:
+            parse_shape(self.shape)  # a bad shape is named here, not when a group is built
+        self._table_from_environment = self.table is None and bool(os.environ.get(ENV_TABLE))
+        table = os.environ.get(ENV_TABLE) if self._table_from_environment else self.table
+        self._pinned = None
+        if table is not None:
+            self._pinned = _pinned_rows(table)
             if self.algorithm != "auto" or self.torus_max_bytes is not None:
                 raise ValueError("a pinned table applies to algorithm 'auto' without "
                                  "torus_max_bytes")
 
 
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _pinned_rows(table):
-    """(device, size class, algorithm, segment_bytes, one_shot) of each row of `table` (rows as
-    torus_algorithm_table() returns them, or a JSON file of them) that names an algorithm."""
+    """(device, size class, algorithm, segment_bytes, one_shot, shape) of each row of `table`
+    (rows as torus_algorithm_table() returns them, or a JSON file of them) that names an
+    algorithm; shape: the "XxY" the row was measured in, or None where the row does not say."""
     where = "the table"
     if isinstance(table, (str, os.PathLike)):
         where = f"the table {os.fspath(table)}"
@@ -144,23 +168,50 @@ def _pinned_rows(table):
     pinned = []
     for row in table:
         try:
-            device, max_bytes, algorithm = row["device"], int(row["max_bytes"]), row["algorithm"]
-            segment_bytes = int(row.get("segment_bytes") or 0)
-            one_shot = row.get("one_shot", False)
-        except (TypeError, KeyError, ValueError) as error:
+            device, max_bytes, algorithm = row["device"], row["max_bytes"], row["algorithm"]
+            segment_bytes, one_shot = row.get("segment_bytes"), row.get("one_shot", False)
+            min_bytes, shape = row.get("min_bytes"), row.get("shape")
+        except (TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"{where}: a row needs device, max_bytes and algorithm; got "
                              f"{row!r}") from error
         if algorithm is None:
             continue
-        if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") or max_bytes < 0 \
+        # A size class is (max_bytes / 2, max_bytes] for a power of two, as the table lists it:
+        # another bound would pin sizes its row does not name.
+        size_class = max_bytes.bit_length() - 1 if _is_int(max_bytes) and max_bytes > 0 else -1
+        if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") \
+                or size_class < 0 or max_bytes != 1 << size_class \
+                or min_bytes not in (None, 0 if size_class == 0 else max_bytes // 2 + 1) \
+                or not (segment_bytes is None or _is_int(segment_bytes) and segment_bytes > 0) \
                 or not isinstance(one_shot, bool) \
-                or (algorithm == "torus" and segment_bytes <= 0 and not one_shot) \
+                or (algorithm == "torus" and segment_bytes is None and not one_shot) \
                 or (one_shot and device != "cpu"):
-            raise ValueError(f"{where}: device must be cpu or cuda, algorithm flat or torus (with "
-                             f"a positive segment_bytes, or one_shot true on cpu), max_bytes >= 0, "
-                             f"one_shot true or false; got {row!r}")
-        pinned.append((device, max(0, (max_bytes - 1).bit_length()), algorithm, segment_bytes,
-                       one_shot))
+            raise ValueError(
+                f"{where}: device must be cpu or cuda, algorithm flat or torus (with a positive "
+                f"int segment_bytes, or one_shot true on cpu), max_bytes a power of two (a size "
+                f"class: min_bytes, if given, max_bytes / 2 + 1), one_shot true or false; got "
+                f"{row!r}")
+        if shape is not None:
+            shape = "x".join(map(str, parse_shape(shape)))
+        if any(row[:2] == (device, size_class) and row[5] == shape for row in pinned):
+            raise ValueError(f"{where} pins {device} allreduces of up to {max_bytes} bytes twice")
+        pinned.append((device, size_class, algorithm, segment_bytes or 0, one_shot, shape))
+    return pinned
+
+
+def _pinned_for(options, columns, rows):
+    """The rows of options' table that a group of this shape takes, as the C++ tuner takes
+    them. A row measured in another shape: refused for a table given to the group, left out
+    (measured anew) for TORCH_BIGBATCH_TORUS_TABLE's, which every torus group reads."""
+    shape = f"{columns}x{rows}"
+    pinned = []
+    for *choice, measured_in in options._pinned or []:
+        if measured_in in (None, shape):
+            pinned.append(tuple(choice))
+        elif not options._table_from_environment:
+            raise ValueError(f"the pinned table was measured in a {measured_in} torus; this "
+                             f"group is {shape} (a row's choice holds for its shape only: "
+                             "measure this group, or drop the rows' shape to pin them anyway)")
     return pinned
 
 
@@ -330,13 +381,13 @@ def _agree_on_shape(store, rank, size, resolve):
     return shape
 
 
-def _agree_on_settings(store, rank, size, options):
-    """Ranks whose algorithm, segments or pinned table differ would post different messages
-    (one the flat allreduce, another the torus's phases; segments of other lengths): they all
-    fail at once, naming what each passed."""
+def _agree_on_settings(store, rank, size, options, pinned):
+    """Ranks whose algorithm, segments or pinned table (`pinned`: the rows this group takes)
+    differ would post different messages (one the flat allreduce, another the torus's phases;
+    segments of other lengths): they all fail at once, naming what each passed."""
     table = "none"
-    if options.table:
-        table = hashlib.sha1(json.dumps(options.table).encode()).hexdigest()[:12]
+    if pinned:
+        table = hashlib.sha1(json.dumps(pinned).encode()).hexdigest()[:12]
     spec = (f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
             f"segment_bytes={options.segment_bytes} table={table} "
             f"cuda_engine={options.cuda_engine}")
@@ -363,7 +414,8 @@ def create_torus_backend(backend_options, pg_options=None):
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
     columns, rows = _agree_on_shape(store, rank, size,
                                     lambda: resolve_shape(size, options.shape, world))
-    _agree_on_settings(store, rank, size, options)
+    pinned = _pinned_for(options, columns, rows)
+    _agree_on_settings(store, rank, size, options, pinned)
     binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
@@ -374,11 +426,24 @@ def create_torus_backend(backend_options, pg_options=None):
     elif torch.cuda.is_available() and dist.is_nccl_available():
         cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                         column_gather=False)
+    ranks = getattr(backend_options, "global_ranks_in_group", None) or range(size)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu", size),
-                           _tuning(options, "cuda", size), options.table or [], timeout)
+                           _tuning(options, "cuda", size), pinned, timeout,
+                           f"{_describe_ranks(ranks)} as {columns}x{rows}")
+
+
+def _describe_ranks(ranks):
+    """"ranks 0-7" for a run of consecutive ranks, else "ranks 0, 2, 5" (global ranks)."""
+    ranks = list(ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _torus_backend(group):
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this rank is not a member of the group (new_group returns "
+                         "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out)")
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     backend = group._get_backend(torch.device("cpu"))
     backend = getattr(backend, "wrapped_pg", backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper
@@ -396,20 +461,31 @@ def torus_algorithm(nbytes, group=None, device="cpu") -> str:
     """What an allreduce of `nbytes` bytes on `device` tensors runs in this torus group now:
     "torus", "flat" (the whole group's own allreduce), or "measuring" (its size class is still
     in its trials under algorithm "auto")."""
+    backend = _torus_backend(group)
+    if not (_is_int(nbytes) and 0 <= nbytes < 2**62):
+        raise ValueError(f"nbytes must be an int in [0, 2**62), got {nbytes!r}")
+    device = torch.device(device).type
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"the torus runs cpu and cuda tensors, got device {device!r}")
     if dist.get_world_size(group) == 1:
         return "flat"
-    chosen = _torus_backend(group).chosen_algorithm(torch.device(device).type, nbytes)
+    chosen = backend.chosen_algorithm(device, nbytes)
     return chosen["algorithm"] or "measuring"
 
 
 def torus_algorithm_table(group=None) -> list[dict]:
-    """The algorithm of each size class this torus group has seen, per device type: rows of
-    {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"), algorithm,
-    segment_bytes, one_shot, candidates: [{algorithm, segment_bytes, one_shot, seconds}, ...]
-    (each candidate's median time over its timed calls, the least of the ranks')}. one_shot: the
-    torus in its form of two whole-buffer exchanges (CPU tensors up to 256 KiB; segment_bytes
-    None). TorusOptions(table=...) takes these rows back."""
-    return _torus_backend(group).algorithm_table()
+    """The algorithm of each size class this torus group has measured or pinned, per device
+    type: rows of {device, min_bytes, max_bytes, source ("measured", "pinned" or "measuring"),
+    algorithm, segment_bytes, one_shot, candidates: [{algorithm, segment_bytes, one_shot,
+    seconds}, ...] (each candidate's median time over its timed calls, the least of the
+    ranks'), shape ("XxY": the group's, where the choice holds)}. one_shot: the torus in its
+    form of two whole-buffer exchanges (CPU tensors up to 256 KiB; segment_bytes None).
+    TorusOptions(table=...) takes these rows back. A group that measures nothing (algorithm
+    "torus" or "flat", or torus_max_bytes) has an empty table: torus_algorithm() says what a
+    size runs there."""
+    backend = _torus_backend(group)
+    shape = "x".join(map(str, backend.shape))
+    return [{**row, "shape": shape} for row in backend.algorithm_table()]
 
 
 def save_torus_algorithm_table(path, group=None):
