@@ -935,6 +935,9 @@ def test_a_bad_table_is_refused(tmp_path):
             TorusOptions(table=[{**row, **bad}])
     with pytest.raises(ValueError, match="pins cpu allreduces of up to 4096 bytes twice"):
         TorusOptions(table=[row, {**row, "algorithm": "torus", "one_shot": True}])
+    with pytest.raises(ValueError, match="twice"):  # a row for any shape, and one for 2x2
+        TorusOptions(table=[row, {**row, "shape": "2x2"}])
+    TorusOptions(table=[{**row, "shape": "4x1"}, {**row, "shape": "2x2"}])  # two groups' rows
     # A table given to the options stays as given: the options can be copied.
     options = TorusOptions(table=[row])
     assert dataclasses.replace(options, shape="2x2").table == [row]

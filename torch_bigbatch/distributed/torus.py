@@ -193,8 +193,11 @@ def _pinned_rows(table):
                 f"{row!r}")
         if shape is not None:
             shape = "x".join(map(str, parse_shape(shape)))
-        if any(row[:2] == (device, size_class) and row[5] == shape for row in pinned):
-            raise ValueError(f"{where} pins {device} allreduces of up to {max_bytes} bytes twice")
+        for earlier in pinned:  # rows that would pin one group's class twice
+            same_group = None in (earlier[5], shape) or earlier[5] == shape
+            if earlier[:2] == (device, size_class) and same_group:
+                raise ValueError(f"{where} pins {device} allreduces of up to {max_bytes} bytes "
+                                 "twice")
         pinned.append((device, size_class, algorithm, segment_bytes or 0, one_shot, shape))
     return pinned
 
