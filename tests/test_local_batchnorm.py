@@ -159,6 +159,37 @@ def test_gradcheck(shape, group_size, channels_last):
     assert torch.autograd.gradcheck(function, (x, weight, bias))
 
 
+def test_long_rows_keep_float_precision():
+    """NCHW rows of 2^22 values: the sums are two-level, as channels-last's (one running sum
+    per lane lost precision with the row's length: relative error 1.2e-5 here)."""
+    generator = torch.Generator().manual_seed(0)
+    x64 = torch.randn(2, 1, 1 << 22, generator=generator, dtype=torch.float64) * 3 + 1
+    dy = torch.randn(x64.shape, generator=generator, dtype=torch.float64)
+    x = x64.float().requires_grad_()
+    bb.nn.local_batch_norm(x, None, None, training=True, group_size=2).backward(dy.float())
+    _, _, invstd, _, _ = torch.ops.torch_bigbatch.local_batch_norm(x.detach(), None, None, 2,
+                                                                   1e-5)
+    reference = x.detach().double().requires_grad_()
+    F.batch_norm(reference, None, None, training=True).backward(dy)
+    expected_invstd = (reference.detach().var(dim=(0, 2), unbiased=False) + 1e-5).rsqrt()
+    assert ((invstd.double() - expected_invstd).abs() / expected_invstd).max() < 1e-6
+    assert (x.grad.double() - reference.grad).norm() / reference.grad.norm() < 1e-6
+
+
+def test_eps_must_be_positive_in_training():
+    """As F.batch_norm: with eps 0 a group's constant channel (zeros after a ReLU) gave NaN."""
+    x = torch.randn(8, 2, 3, 3)
+    x[:, 1] = 0
+    for eps in (0.0, -1e-5):
+        with pytest.raises(ValueError, match="eps must be positive during training"):
+            bb.nn.LocalBatchNorm2d(2, group_size=4, eps=eps)(x)
+        with pytest.raises(RuntimeError, match="eps must be positive"):
+            torch.ops.torch_bigbatch.local_batch_norm(x, None, None, 4, eps)
+    layer = bb.nn.LocalBatchNorm2d(2, group_size=4, eps=0.0).eval()
+    assert torch.equal(layer(x), F.batch_norm(x, layer.running_mean, layer.running_var,
+                                               eps=0.0))  # eval: F.batch_norm's rule, as before
+
+
 def test_double_backward_raises_instead_of_returning_zeros():
     """A gradient of the gradient (a gradient penalty) is refused when it reaches the op, as
     torch's once_differentiable functions do; the first gradient with create_graph still runs."""

@@ -349,6 +349,27 @@ def test_torch_sgd_constructor_flags():
         bb.optim.SGD(params, lr=0.1, differentiable=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_infinite_parameters_without_weight_decay_stay_as_torch_keeps_them(device, nesterov):
+    """torch adds wd * p only where weight_decay != 0: with 0, an infinite parameter (one an
+    infinite gradient made so) stays infinite; 0 * inf made it and its buffer NaN here."""
+    results = []
+    for optimizer_class in (torch.optim.SGD, bb.optim.SGD):
+        p = torch.tensor([float("inf"), -float("inf"), 0.5, 1.0], device=device,
+                         requires_grad=True)
+        optimizer = optimizer_class([p], lr=0.1, momentum=0.9, nesterov=nesterov,
+                                    weight_decay=0.0)
+        for grad in ([1.0, -1.0, float("inf"), 2.0], [0.5, 0.5, 0.5, 0.5]):
+            p.grad = torch.tensor(grad, device=device)
+            optimizer.step()
+        results.append((p.detach(), optimizer.state[p]["momentum_buffer"]))
+    (expected_p, expected_b), (p, b) = results
+    assert not p.isnan().any() and not b.isnan().any(), (p, b)
+    torch.testing.assert_close(p, expected_p, equal_nan=True)
+    torch.testing.assert_close(b, expected_b, equal_nan=True)
+
+
 def test_a_parameter_listed_twice_in_a_group_is_refused():
     """torch.optim.SGD warns and steps it twice; one fused launch would update it from two
     threads at once (results changed from run to run), so it is refused with a clear error."""

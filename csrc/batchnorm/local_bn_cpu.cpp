@@ -51,9 +51,8 @@ class CpuPass {
         const A center = kBackward ? mean[g * L.channels + c] : row_mean(x);
         const Vec k(center);
         const T* dy = kBackward ? grad_output + row * L.spatial : nullptr;
-        Vec q[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};  // sums of q1 and q2, lo and hi
-        for (int64_t s = 0; s < L.spatial; s += kStep) {
-          const int64_t count = std::min(kStep, L.spatial - s);
+        Vec total[4];  // sums of q1 and q2, lo and hi
+        blocked_sums(total, [&](int64_t s, int64_t count, Vec(&q)[4]) {
           Vec d[2];
           load_pair(x + s, count, d[0], d[1]);
           d[0] = d[0] - k;
@@ -75,23 +74,39 @@ class CpuPass {
               q[2 + h] = at::vec::fmadd(d[h], d[h], q[2 + h]);
             }
           }
-        }
-        const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]);
-        const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[2] + q[3]);
+        });
+        const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]);
+        const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[2] + total[3]);
         store_sample(sample_values<A>(p, row), center, q1, q2);
       }
     });
   }
 
+  // Sums over a row of S contiguous values: body(s, count, q) adds the kStep values from s
+  // (count of them inside the row) into the partial sums q, which join `total` every
+  // kBlockRows steps (two-level sums: a single running sum lost precision as S grew: 2.3e-4
+  // relative error in the variance at S = 2^25, against 2.1e-6 channels-last).
+  template <int K, typename Body>
+  void blocked_sums(Vec (&total)[K], Body body) const {
+    for (auto& sum : total) sum = Vec(A(0));
+    for (int64_t block = 0; block < L.spatial; block += kBlockRows * kStep) {
+      Vec q[K];
+      for (auto& sum : q) sum = Vec(A(0));
+      const int64_t end = std::min(block + kBlockRows * kStep, L.spatial);
+      for (int64_t s = block; s < end; s += kStep) body(s, std::min(kStep, L.spatial - s), q);
+      for (int i = 0; i < K; ++i) total[i] = total[i] + q[i];
+    }
+  }
+
   // The mean of a row of S contiguous values (the forward's first pass).
   A row_mean(const T* x) const {
-    Vec total[2] = {Vec(A(0)), Vec(A(0))};  // past count, load_pair gives zeros
-    for (int64_t s = 0; s < L.spatial; s += kStep) {
-      Vec v[2];
-      load_pair(x + s, std::min(kStep, L.spatial - s), v[0], v[1]);
-      total[0] = total[0] + v[0];
-      total[1] = total[1] + v[1];
-    }
+    Vec total[2];
+    blocked_sums(total, [&](int64_t s, int64_t count, Vec(&q)[2]) {
+      Vec v[2];  // past count, load_pair gives zeros
+      load_pair(x + s, count, v[0], v[1]);
+      q[0] = q[0] + v[0];
+      q[1] = q[1] + v[1];
+    });
     return at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]) / A(L.spatial);
   }
 

@@ -82,6 +82,8 @@ at::Tensor start_pass(BnPass& pass, const at::Tensor& x, const BnLayout& layout,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> local_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, int64_t group_size, double eps) {
+  // As batch_norm's: with eps 0 a group's constant channel (zeros after a ReLU) gives NaN.
+  TORCH_CHECK(eps > 0, "local_batch_norm: eps must be positive, got ", eps);
   auto [x, layout] = as_layout(input, group_size);
   const at::ScalarType acc = at::toOpMathType(x.scalar_type());
   const int64_t channels = layout.channels;

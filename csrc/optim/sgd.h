@@ -73,6 +73,7 @@ struct SgdScalars {
   V grad_weight;   // 1 - dampening
   V momentum;
   V lr;
+  bool decays;  // weight_decay != 0: only then is wd * p added, as torch adds it (0 * inf = NaN)
 };
 
 // torch.optim.SGD's update (with LARS's trust ratio on the decayed gradient):
@@ -81,7 +82,9 @@ struct SgdScalars {
 template <typename V>
 BB_HOST_DEVICE V sgd_update(V param, V grad, V& buffer, const SgdScalars<V>& s, BufferMode mode,
                             bool nesterov) {
-  V d = s.trust * (grad * s.grad_factor + s.weight_decay * param);
+  V d = grad * s.grad_factor;
+  if (s.decays) d = d + s.weight_decay * param;
+  d = s.trust * d;
   if (mode != BufferMode::None) {
     buffer = mode == BufferMode::First ? d : s.buffer_decay * buffer + s.grad_weight * d;
     d = nesterov ? d + s.momentum * buffer : buffer;
@@ -110,6 +113,7 @@ BB_HOST_DEVICE SgdScalars<float> sgd_scalars(const SgdGroup& group, float lr, fl
   s.grad_weight = 1.f - group.dampening;
   s.momentum = group.momentum;
   s.lr = lr;
+  s.decays = group.weight_decay != 0.f;
   return s;
 }
 

@@ -16,7 +16,7 @@ constexpr int64_t kChunk = 16384;  // elements per work item of the parallel loo
 
 SgdScalars<Vec> broadcast(const SgdScalars<float>& s) {
   return {Vec(s.grad_factor), Vec(s.weight_decay), Vec(s.trust),   Vec(s.buffer_decay),
-          Vec(s.grad_weight), Vec(s.momentum),     Vec(s.lr)};
+          Vec(s.grad_weight), Vec(s.momentum),     Vec(s.lr),    s.decays};
 }
 
 // The loop with the buffer mode and Nesterov as constants, so that no branch stays inside it.

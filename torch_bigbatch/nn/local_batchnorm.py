@@ -41,6 +41,8 @@ def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, t
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
     group_size = _checked_group_size(group_size)
+    if not eps > 0:  # as F.batch_norm: a group's constant channel would give NaN
+        raise ValueError(f"local batch norm eps must be positive during training, but got {eps}")
     if input.dim() < 2:
         raise ValueError(f"local batch norm needs an input of at least 2 dims (N, C, ...), got "
                          f"size {tuple(input.shape)}")
@@ -69,7 +71,9 @@ class LocalBatchNorm(_BatchNorm):
 
     Any input of 2 or more dims (N, C, ...), in contiguous or channels-last memory; fp32, fp16,
     bf16 or fp64 with fp32 statistics (fp64 for fp64). Parameters, buffers and state-dict keys
-    are nn.BatchNorm's, so its checkpoints load unchanged. This class stands in for
+    are nn.BatchNorm's, so its checkpoints load unchanged. Without running statistics
+    (track_running_stats=False) evaluation normalizes by the batch's statistics, as
+    nn.BatchNorm does, and per group, as training does. This class stands in for
     nn.SyncBatchNorm; LocalBatchNorm1d/2d/3d check the number of dims as nn.BatchNorm1d/2d/3d do.
     """
 
