@@ -4,6 +4,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import threading
 import time
 
@@ -450,6 +451,36 @@ def test_an_empty_tensor_on_one_rank_is_an_error_not_a_shifted_call(algorithm):
     outcomes = run_ranks(mismatched_first_call, 4, [1000, 0, 1000, 1000], algorithm,
                          deadline=60, allow_missing=range(4))
     errors_of_failed_ranks(outcomes, timeout=5)
+
+
+def rank_killed_with_calls_queued(rank, world_size, port):
+    """Every rank queues four 32 MiB allreduces in 1 MiB segments; rank 1 is killed once its
+    first has ended. Returns when each of a survivor's calls ended, from the first's issue."""
+    init(rank, world_size, port, TorusOptions(algorithm="torus", segment_bytes=1 << 20),
+         seconds=3)
+    dist.all_reduce(torch.ones(10))  # every group is connected
+    start = time.monotonic()
+    works = [dist.all_reduce(torch.ones(8 << 20), async_op=True) for _ in range(4)]
+    if rank == 1:
+        works[0].wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    ends = []
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
+        ends.append(time.monotonic() - start)
+    return ends
+
+
+@pytest.mark.slow
+def test_a_dead_peer_costs_the_calls_queued_behind_it_no_timeout_of_their_own():
+    """After the first failure every queued phase ends at once (each batch of other segments
+    and calls waited a timeout of its own: 65-180 s for a 5 s timeout)."""
+    outcomes = run_ranks(rank_killed_with_calls_queued, 4, deadline=90, allow_missing=(1,))
+    for rank in (0, 2, 3):
+        assert max(outcomes[rank]) < 2 * 3 + 3, f"rank {rank}'s calls ended at {outcomes[rank]}"
 
 
 def killed_rank(rank, world_size, port, collective):

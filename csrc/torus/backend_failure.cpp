@@ -7,8 +7,25 @@
 namespace torch_bigbatch::torus {
 
 void BackendFailure::record(const std::exception_ptr& error) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!failure_) failure_ = error;
+  std::vector<std::function<void()>> listeners;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) return;
+    failure_ = error;
+    listeners.swap(listeners_);
+  }
+  for (const auto& listener : listeners) listener();
+}
+
+void BackendFailure::on_failure(std::function<void()> listener) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_) {
+      listeners_.push_back(std::move(listener));
+      return;
+    }
+  }
+  listener();
 }
 
 std::exception_ptr BackendFailure::first() const {

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <exception>
+#include <functional>
 #include <mutex>
+#include <vector>
 
 namespace torch_bigbatch::torus {
 
@@ -13,12 +15,15 @@ class BackendFailure {
  public:
   void record(const std::exception_ptr& error);  // keeps the first
   std::exception_ptr first() const;
+  // Calls `listener` once, at the first failure (at once if there was one); it must not throw.
+  void on_failure(std::function<void()> listener);
   // Throws "torus backend is unusable after an earlier failure: <its message>" after one.
   void check_usable() const;
 
  private:
   mutable std::mutex mutex_;
   std::exception_ptr failure_;
+  std::vector<std::function<void()>> listeners_;  // until the first failure
 };
 
 }  // namespace torch_bigbatch::torus

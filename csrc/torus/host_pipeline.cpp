@@ -613,6 +613,9 @@ HostPipeline::HostPipeline(TorusShape shape, Engines engines,
   context_->shape = shape;
   context_->engines = std::move(engines);
   context_->failure = std::move(failure);
+  for (WorkWaiter* waiter : {&context_->row_scatter_waiter, &context_->column_waiter,
+                             &context_->column_gather_waiter, &context_->row_gather_waiter})
+    waiter->stop_at_failure(context_->failure);
 }
 
 c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> inputs,

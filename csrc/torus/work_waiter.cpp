@@ -60,9 +60,23 @@ void WorkWaiter::wait_then(std::vector<c10::intrusive_ptr<c10d::Work>> works, Th
   queue_->ready.notify_one();
 }
 
+void WorkWaiter::stop_at_failure(const std::shared_ptr<BackendFailure>& failure) {
+  {
+    std::lock_guard<std::mutex> lock(queue_->mutex);
+    queue_->failure = failure;
+  }
+  failure->on_failure([weak = std::weak_ptr<Queue>(queue_)] {
+    const std::shared_ptr<Queue> queue = weak.lock();
+    if (!queue) return;
+    std::lock_guard<std::mutex> lock(queue->mutex);
+    for (const auto& work : queue->waiting) abort_quietly(work);
+  });
+}
+
 void WorkWaiter::run(const std::shared_ptr<Queue>& queue) {
   while (true) {
     Batch batch;
+    std::exception_ptr failed;  // the backend's failure, seen before waiting
     {
       std::unique_lock<std::mutex> lock(queue->mutex);
       queue->ready.wait(lock, [&] { return queue->stopping || !queue->batches.empty(); });
@@ -76,8 +90,22 @@ void WorkWaiter::run(const std::shared_ptr<Queue>& queue) {
                                  "the torus backend was destroyed before this call ended")));
         continue;
       }
+      failed = queue->failure ? queue->failure->first() : nullptr;
+      if (!failed) queue->waiting = batch.works;  // the failure's listener aborts them
     }
-    run_then(batch.then, wait_all(batch.works));
+    if (failed) {
+      for (auto& work : batch.works) abort_quietly(work);
+      run_then(batch.then, failed);
+      continue;
+    }
+    std::exception_ptr error = wait_all(batch.works);
+    {
+      std::lock_guard<std::mutex> lock(queue->mutex);
+      queue->waiting.clear();
+      // Aborted because of another batch's failure: that one is the cause to report.
+      if (error && queue->failure && queue->failure->first()) error = queue->failure->first();
+    }
+    run_then(batch.then, error);
   }
 }
 

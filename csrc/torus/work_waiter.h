@@ -5,6 +5,8 @@
 // sides, but they have no callback to post the next phase from.
 #pragma once
 
+#include "torus/backend_failure.h"
+
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <condition_variable>
@@ -36,6 +38,11 @@ class WorkWaiter {
   // Works are aborted, not waited for: a dead peer costs one timeout, not one per Work.
   void wait_then(std::vector<c10::intrusive_ptr<c10d::Work>> works, Then then);
 
+  // From the backend's first failure on, the batch being waited for is aborted and later ones
+  // end with that failure at once: after a peer died, each batch queued behind the failed one
+  // (other segments and calls) waited a timeout of its own (65-180 s for a 5 s timeout).
+  void stop_at_failure(const std::shared_ptr<BackendFailure>& failure);
+
  private:
   struct Batch {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -46,6 +53,8 @@ class WorkWaiter {
     std::condition_variable ready;
     std::deque<Batch> batches;
     bool stopping = false;
+    std::shared_ptr<BackendFailure> failure;                // see stop_at_failure
+    std::vector<c10::intrusive_ptr<c10d::Work>> waiting;  // the batch being waited for
   };
   static void run(const std::shared_ptr<Queue>& queue);
 
