@@ -453,6 +453,41 @@ def test_an_empty_tensor_on_one_rank_is_an_error_not_a_shifted_call(algorithm):
     errors_of_failed_ranks(outcomes, timeout=5)
 
 
+def callbacks_that_issue_collectives(rank, world_size, port, algorithm):
+    """Two allreduces in flight, each with a callback that allreduces a buffer of its own (as
+    PowerSGD's hook does per bucket), once both are issued: the nested sums, for 30 rounds."""
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=20)
+    sums = []
+    for _ in range(30):
+        nested = [torch.full((1000,), float(100 * k + rank)) for k in range(2)]
+        issued = threading.Event()
+
+        def callback(k):
+            def run(future):
+                issued.wait(10)  # a callback's collective issued before the second allreduce
+                dist.all_reduce(nested[k], async_op=True).get_future().wait()  # would cross it
+                return nested[k][0].item()
+            return run
+
+        futures = [dist.all_reduce(torch.ones(1_000_000), async_op=True).get_future()
+                   .then(callback(k)) for k in range(2)]
+        issued.set()
+        sums.append([future.wait() for future in futures])
+    return sums
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+def test_callbacks_run_in_the_order_their_collectives_were_issued(algorithm):
+    """The Works end in issue order, so the collectives their callbacks issue reach the group
+    in one order on every rank (ended on any free thread, two callbacks ran at once and their
+    collectives crossed between ranks: sums of [101, 101] for [1, 201], no error)."""
+    for rank, sums in enumerate(run_ranks(callbacks_that_issue_collectives, 2, algorithm,
+                                          deadline=120)):
+        wrong = [s for s in sums if s != [1.0, 201.0]]
+        assert not wrong, f"rank {rank}: {len(wrong)} of 30 rounds summed {wrong[:3]}"
+
+
 def rank_killed_with_calls_queued(rank, world_size, port):
     """Every rank queues four 32 MiB allreduces in 1 MiB segments; rank 1 is killed once its
     first has ended. Returns when each of a survivor's calls ended, from the first's issue."""

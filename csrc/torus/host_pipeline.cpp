@@ -93,6 +93,7 @@ struct HostPipeline::Context {
   // the order they were posted, so interleaved calls would pair one call's part with another's.
   std::mutex issuing;
   std::shared_ptr<BackendFailure> failure;  // the backend's: unusable after the first
+  std::shared_ptr<DeliveryOrder> order;     // the backend's: in which its Works end
 };
 
 namespace {
@@ -608,8 +609,10 @@ void finish(const ContextPtr& context, const SegmentPtr& segment) {
 }  // namespace
 
 HostPipeline::HostPipeline(TorusShape shape, Engines engines,
-                           std::shared_ptr<BackendFailure> failure)
+                           std::shared_ptr<BackendFailure> failure,
+                           std::shared_ptr<DeliveryOrder> order)
     : context_(std::make_shared<Context>()) {
+  context_->order = std::move(order);
   context_->shape = shape;
   context_->engines = std::move(engines);
   context_->failure = std::move(failure);
@@ -627,7 +630,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   context_->failure->check_usable();  // also where another call failed since the backend checked
   const TorusShape& shape = context_->shape;
   auto call = std::make_shared<Call>();
-  call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs);
+  call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs, context_->order);
   call->buffer = FlatBuffer(std::move(inputs), 1);
   // Gloo reduces no bool: its bytes, with the op the caller chose for them (the Work keeps the
   // caller's bool tensors, as Gloo's does).

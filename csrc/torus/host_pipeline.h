@@ -31,6 +31,7 @@
 #pragma once
 
 #include "torus/backend_failure.h"
+#include "torus/delivery_order.h"
 #include "torus/scratch_pool.h"
 #include "torus/topology.h"
 #include "torus/torus_work.h"
@@ -50,7 +51,8 @@ constexpr int64_t kOneShotBytes = 256 << 10;
 
 class HostPipeline {
  public:
-  HostPipeline(TorusShape shape, Engines engines, std::shared_ptr<BackendFailure> failure);
+  HostPipeline(TorusShape shape, Engines engines, std::shared_ptr<BackendFailure> failure,
+               std::shared_ptr<DeliveryOrder> order);
 
   // Reduces `inputs` (one dtype, CPU) in place: one tensor for allreduce, several for
   // allreduce_coalesced (reduced as one flattened buffer), in segments of about segment_bytes,

@@ -13,9 +13,11 @@
 namespace torch_bigbatch::torus {
 StreamPipeline::StreamPipeline(TorusShape shape, Engines engines,
                                std::chrono::milliseconds timeout,
-                               std::shared_ptr<BackendFailure> failure)
+                               std::shared_ptr<BackendFailure> failure,
+                               std::shared_ptr<DeliveryOrder> order)
     : engines_(std::move(engines)),
-      context_(std::make_shared<PipelineContext>(shape, timeout, std::move(failure))) {
+      context_(std::make_shared<PipelineContext>(shape, timeout, std::move(failure),
+                                                 std::move(order))) {
   if (shape.columns > 1) active_.push_back(0);
   if (shape.rows > 1) active_.push_back(1);
   if (shape.columns > 1) active_.push_back(2);

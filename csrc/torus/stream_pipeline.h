@@ -73,7 +73,7 @@ namespace torch_bigbatch::torus {
 class StreamPipeline {
  public:
   StreamPipeline(TorusShape shape, Engines engines, std::chrono::milliseconds timeout,
-                 std::shared_ptr<BackendFailure> failure);
+                 std::shared_ptr<BackendFailure> failure, std::shared_ptr<DeliveryOrder> order);
   ~StreamPipeline();
   StreamPipeline(const StreamPipeline&) = delete;
   StreamPipeline& operator=(const StreamPipeline&) = delete;

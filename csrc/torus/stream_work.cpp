@@ -23,7 +23,7 @@ std::exception_ptr PipelineContext::phase_timed_out(Phase phase, int64_t segment
 StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
                        std::vector<at::Tensor> outputs, DeviceWork device_work,
                        c10::Stream completion)
-    : TorusWork(context->shape.rank, op_type, std::move(outputs), completion),
+    : TorusWork(context->shape.rank, op_type, std::move(outputs), context->order, completion),
       context_(std::move(context)),
       device_work_(std::move(device_work)),
       deadline_(Clock::now() + context_->timeout) {}

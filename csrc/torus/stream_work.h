@@ -26,8 +26,8 @@ namespace torch_bigbatch::torus {
 class PipelineContext {
  public:
   PipelineContext(TorusShape shape, std::chrono::milliseconds timeout,
-                  std::shared_ptr<BackendFailure> failure)
-      : shape(shape), timeout(timeout), failure(std::move(failure)) {}
+                  std::shared_ptr<BackendFailure> failure, std::shared_ptr<DeliveryOrder> order)
+      : shape(shape), timeout(timeout), failure(std::move(failure)), order(std::move(order)) {}
 
   // The errors of a phase of segment `segment` (0-based) of `segments`, named as on the host
   // pipeline (topology.h).
@@ -39,6 +39,7 @@ class PipelineContext {
   const TorusShape shape;
   const std::chrono::milliseconds timeout;
   const std::shared_ptr<BackendFailure> failure;
+  const std::shared_ptr<DeliveryOrder> order;  // the backend's: in which its Works end
 };
 
 // One collective of one segment, as its engine returned it.

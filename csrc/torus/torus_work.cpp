@@ -17,12 +17,18 @@ std::vector<c10::Device> future_devices(const std::optional<c10::Stream>& comple
 }  // namespace
 
 TorusWork::TorusWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs,
-                     std::optional<c10::Stream> completion)
+                     std::shared_ptr<DeliveryOrder> order, std::optional<c10::Stream> completion)
     : c10d::Work(rank, op_type, "torus", outputs),
       outputs_(std::move(outputs)),
+      order_(std::move(order)),
+      ticket_(order_ ? order_->ticket() : std::nullopt),
       completion_(completion),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), future_devices(completion))) {}
+
+TorusWork::~TorusWork() {
+  if (ticket_ && !delivered_) order_->done(*ticket_);  // never delivered: the next one's turn
+}
 
 void TorusWork::complete() {
   if (claim()) end(nullptr);
@@ -49,6 +55,8 @@ void TorusWork::end(std::exception_ptr error) {
 
 void TorusWork::deliver() {
   if (delivered_.exchange(true)) return;
+  if (ticket_) order_->wait_turn(*ticket_);  // the Works issued before this one ended first
+  const DeliveryOrder::Delivering delivering;  // collectives its callbacks issue are not queued
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -63,10 +71,10 @@ void TorusWork::deliver() {
       future_->markCompleted(c10::IValue(outputs_));
     }
   } catch (...) {
-    finish(error ? error : std::current_exception());
-    return;
+    if (!error) error = std::current_exception();
   }
   finish(error);
+  if (ticket_) order_->done(*ticket_);
 }
 
 bool TorusWork::wait(std::chrono::milliseconds timeout) {

@@ -4,11 +4,14 @@
 // from it (with its own wait).
 #pragma once
 
+#include "torus/delivery_order.h"
+
 #include <ATen/core/ivalue.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -16,10 +19,12 @@ namespace torch_bigbatch::torus {
 
 class TorusWork : public c10d::Work {
  public:
-  // `completion`, for outputs on a device: a stream of that device on which the future
-  // records its events.
+  // `order`: the backend's, in which its Works end (delivery_order.h). `completion`, for
+  // outputs on a device: a stream of that device on which the future records its events.
   TorusWork(int rank, c10d::OpType op_type, std::vector<at::Tensor> outputs,
+            std::shared_ptr<DeliveryOrder> order,
             std::optional<c10::Stream> completion = std::nullopt);
+  ~TorusWork() override;
 
   // The first of complete() and fail() settles the Work (a later failure of the backend finds
   // it done). Either returns at once: the Work ends, and its future's callbacks run, on a
@@ -47,6 +52,8 @@ class TorusWork : public c10d::Work {
  private:
   void deliver();  // settles the future, then the Work: once, on whichever thread comes first
 
+  const std::shared_ptr<DeliveryOrder> order_;
+  const std::optional<uint64_t> ticket_;
   const std::optional<c10::Stream> completion_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<bool> settled_{false};
