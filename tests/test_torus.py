@@ -5,6 +5,9 @@ import datetime
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -486,6 +489,44 @@ def test_callbacks_run_in_the_order_their_collectives_were_issued(algorithm):
                                           deadline=120)):
         wrong = [s for s in sums if s != [1.0, 201.0]]
         assert not wrong, f"rank {rank}: {len(wrong)} of 30 rounds summed {wrong[:3]}"
+
+
+EXIT_AFTER_FUTURES = """
+import datetime, torch, torch.distributed as dist
+import socket
+import subprocess
+import sys
+import torch_bigbatch
+from torch_bigbatch.distributed import TorusOptions
+dist.init_process_group("torus", timeout=datetime.timedelta(seconds=10),
+                        pg_options=TorusOptions(algorithm="torus"))
+for _ in range(20):  # results read through the futures, as DDP's comm hooks read them
+    futures = [dist.all_reduce(torch.ones(n), async_op=True).get_future()
+               .then(lambda future: future.value()[0]) for n in (10, 1000, 5000)]
+    assert [future.wait()[0].item() for future in futures] == [2.0] * 3
+"""
+
+
+@pytest.mark.slow
+def test_a_job_whose_calls_all_ended_exits_cleanly(tmp_path):
+    """At exit the torus's threads end what they hold of Python's before the interpreter
+    finalizes (a thread that took the GIL later aborted the process: 4 of 16 ranks)."""
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_AFTER_FUTURES)
+    for attempt in range(8):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        ranks = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "OMP_NUM_THREADS": "1",  # this package, as imported here
+                                       "PYTHONPATH": os.path.dirname(os.path.dirname(
+                                           torch_bigbatch.__file__))}) for rank in range(2)]
+        for rank, process in enumerate(ranks):
+            output, _ = process.communicate(timeout=60)
+            assert process.returncode == 0, f"attempt {attempt}, rank {rank}: {output[-2000:]}"
 
 
 def rank_killed_with_calls_queued(rank, world_size, port):

@@ -1,5 +1,7 @@
 #include "torus/callback_threads.h"
 
+#include "torus/thread_activity.h"
+
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -39,6 +41,7 @@ void serve(CallbackThreads& threads) {
     lock.unlock();
     task();
     task = nullptr;  // what it holds (a Work, its tensors) is released before the next wait
+    thread_activity::finished();
     lock.lock();
   }
 }
@@ -47,6 +50,7 @@ void serve(CallbackThreads& threads) {
 
 void run_on_callback_thread(std::function<void()> task) {
   CallbackThreads& threads = callback_threads();
+  thread_activity::started();
   std::lock_guard<std::mutex> lock(threads.mutex);
   threads.tasks.push_back(std::move(task));
   if (threads.idle >= threads.tasks.size()) {

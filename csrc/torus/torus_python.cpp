@@ -3,6 +3,7 @@
 
 #include "torus/torus_python.h"
 
+#include "torus/thread_activity.h"
 #include "torus/torus_backend.h"
 
 #include <pybind11/chrono.h>
@@ -91,6 +92,16 @@ py::list algorithm_table(const TorusBackend& self) {
 
 void bind_torus(py::module& m) {
   py::module::import("torch.distributed");  // registers the Backend base class
+
+  m.def(
+      "torus_threads_wait_until_idle",
+      [](double seconds) {
+        return thread_activity::wait_until_idle(std::chrono::milliseconds(
+            static_cast<int64_t>(seconds * 1000)));
+      },
+      py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+      "Waits until the torus's threads hold nothing of Python's (at most `seconds`): "
+      "torch_bigbatch calls it at interpreter exit (csrc/torus/thread_activity.h)");
 
   py::class_<Engines>(m, "TorusEngines",
                       "The process groups of one device type that the torus composes.")

@@ -1,5 +1,7 @@
 #include "torus/work_waiter.h"
 
+#include "torus/thread_activity.h"
+
 #include <stdexcept>
 
 namespace torch_bigbatch::torus {
@@ -53,6 +55,7 @@ WorkWaiter::~WorkWaiter() {
 }
 
 void WorkWaiter::wait_then(std::vector<c10::intrusive_ptr<c10d::Work>> works, Then then) {
+  thread_activity::started();
   {
     std::lock_guard<std::mutex> lock(queue_->mutex);
     queue_->batches.push_back(Batch{std::move(works), std::move(then)});
@@ -76,37 +79,46 @@ void WorkWaiter::stop_at_failure(const std::shared_ptr<BackendFailure>& failure)
 void WorkWaiter::run(const std::shared_ptr<Queue>& queue) {
   while (true) {
     Batch batch;
-    std::exception_ptr failed;  // the backend's failure, seen before waiting
+    bool stopping;
     {
       std::unique_lock<std::mutex> lock(queue->mutex);
       queue->ready.wait(lock, [&] { return queue->stopping || !queue->batches.empty(); });
       if (queue->batches.empty()) return;
       batch = std::move(queue->batches.front());
       queue->batches.pop_front();
-      if (queue->stopping) {
-        lock.unlock();
-        for (auto& work : batch.works) abort_quietly(work);
-        run_then(batch.then, std::make_exception_ptr(std::runtime_error(
-                                 "the torus backend was destroyed before this call ended")));
-        continue;
-      }
-      failed = queue->failure ? queue->failure->first() : nullptr;
-      if (!failed) queue->waiting = batch.works;  // the failure's listener aborts them
+      stopping = queue->stopping;
     }
-    if (failed) {
-      for (auto& work : batch.works) abort_quietly(work);
-      run_then(batch.then, failed);
-      continue;
-    }
-    std::exception_ptr error = wait_all(batch.works);
-    {
-      std::lock_guard<std::mutex> lock(queue->mutex);
-      queue->waiting.clear();
-      // Aborted because of another batch's failure: that one is the cause to report.
-      if (error && queue->failure && queue->failure->first()) error = queue->failure->first();
-    }
-    run_then(batch.then, error);
+    settle(*queue, batch, stopping);
+    batch = Batch{};  // what it held (the call, its Work and tensors) is released here
+    thread_activity::finished();
   }
+}
+
+void WorkWaiter::settle(Queue& queue, Batch& batch, bool stopping) {
+  if (stopping) {
+    for (auto& work : batch.works) abort_quietly(work);
+    run_then(batch.then, std::make_exception_ptr(std::runtime_error(
+                             "the torus backend was destroyed before this call ended")));
+    return;
+  }
+  std::exception_ptr failed;  // the backend's failure, seen before waiting
+  {
+    std::lock_guard<std::mutex> lock(queue.mutex);
+    failed = queue.failure ? queue.failure->first() : nullptr;
+    if (!failed) queue.waiting = batch.works;  // the failure's listener aborts them
+  }
+  if (failed) {
+    for (auto& work : batch.works) abort_quietly(work);
+    return run_then(batch.then, failed);
+  }
+  std::exception_ptr error = wait_all(batch.works);
+  {
+    std::lock_guard<std::mutex> lock(queue.mutex);
+    queue.waiting.clear();
+    // Aborted because of another batch's failure: that one is the cause to report.
+    if (error && queue.failure && queue.failure->first()) error = queue.failure->first();
+  }
+  run_then(batch.then, error);
 }
 
 }  // namespace torch_bigbatch::torus

@@ -57,6 +57,8 @@ class WorkWaiter {
     std::vector<c10::intrusive_ptr<c10d::Work>> waiting;  // the batch being waited for
   };
   static void run(const std::shared_ptr<Queue>& queue);
+  // Waits for one batch and runs its continuation (`stopping`: aborts it instead).
+  static void settle(Queue& queue, Batch& batch, bool stopping);
 
   std::shared_ptr<Queue> queue_;  // shared with the thread: it may outlive this object (below)
   std::thread thread_;

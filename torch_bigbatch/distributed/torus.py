@@ -9,6 +9,7 @@ the whole group, this rank's row (twice: one group per row phase) and its column
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -29,6 +30,11 @@ ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
 ENV_TABLE = "TORCH_BIGBATCH_TORUS_TABLE"
 ENV_CUDA_ENGINE = "TORCH_BIGBATCH_TORUS_CUDA_ENGINE"
 
+
+# At exit, before the interpreter finalizes, the torus's threads end what they hold of Python's
+# (a callback, a Work's tensors); one that takes the GIL later aborts the process. Bounded:
+# calls still in flight may never end.
+atexit.register(_C.torus_threads_wait_until_idle, 5.0)
 
 ALGORITHMS = ("auto", "torus", "flat")
 CUDA_ENGINES = ("nccl", "gloo")
