@@ -878,10 +878,10 @@ def test_auto_measures_and_every_rank_agrees():
             [fastest[key] for key in ("algorithm", "segment_bytes", "one_shot")]
         assert all(0 < c["seconds"] < 10 for c in candidates), row
     # The table as saved (JSON) pins each class as it was decided, in a later run.
-    pinned = TorusOptions(table=json.loads(json.dumps(world))).table
+    pinned = TorusOptions(table=json.loads(json.dumps(world)))._pinned
     assert sorted(pinned) == sorted(
         ("cpu", (row["max_bytes"] - 1).bit_length(), row["algorithm"], row["segment_bytes"] or 0,
-         row["one_shot"]) for row in world)
+         row["one_shot"], row["shape"]) for row in world)
 
 
 LAG = 0.2  # seconds: how much later than the others one rank issues each call
