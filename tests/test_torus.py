@@ -491,6 +491,40 @@ def test_callbacks_run_in_the_order_their_collectives_were_issued(algorithm):
         assert not wrong, f"rank {rank}: {len(wrong)} of 30 rounds summed {wrong[:3]}"
 
 
+def decision_inside_an_earlier_callback(rank, world_size, port):
+    """A callback of the first call makes the 16th call of a class, the one that decides it,
+    while the class's 15 trial calls were issued after the first: their futures end after
+    that callback, in the delivery order."""
+    init(rank, world_size, port, seconds=10)
+    issued = threading.Event()
+    seconds = []
+
+    def callback(future):
+        issued.wait(10)
+        start = time.monotonic()
+        data = torch.ones(1000)
+        dist.all_reduce(data)
+        seconds.append(time.monotonic() - start)
+        return data[0].item()
+
+    first = dist.all_reduce(torch.ones(100_000), async_op=True).get_future().then(callback)
+    trials = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(15)]
+    issued.set()
+    value = first.wait()
+    for work in trials:
+        work.wait()
+    return value, seconds[0], torus_algorithm(4000)
+
+
+@pytest.mark.slow
+def test_a_decision_inside_a_callback_does_not_wait_for_the_delivery_order():
+    """The tuner times a trial by its Work's end, not by its future (which a decision inside an
+    earlier Work's callback would wait for until the timeout, then fail the backend)."""
+    for value, seconds, chosen in run_ranks(decision_inside_an_earlier_callback, 2, deadline=60):
+        assert value == 2.0 and chosen in ("flat", "torus")
+        assert seconds < 5, seconds
+
+
 EXIT_AFTER_FUTURES = """
 import datetime, torch, torch.distributed as dist
 import socket

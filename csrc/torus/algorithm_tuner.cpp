@@ -1,6 +1,7 @@
 #include "torus/algorithm_tuner.h"
 
 #include "torus/topology.h"
+#include "torus/torus_work.h"
 
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -250,12 +251,19 @@ void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Wor
   const std::shared_ptr<Trial>& trial = call.trial;
   if (!trial) return;
   if (!trial->end_event) {
-    work->getFuture()->addCallback([trial](c10::ivalue::Future& future) {
-      if (future.hasError()) return trial->fail(future.exception_ptr());
+    auto ended = [trial](const std::exception_ptr& error) {
+      if (error) return trial->fail(error);
       std::lock_guard<std::mutex> lock(trial->mutex);
       trial->seconds = std::chrono::duration<double>(Clock::now() - trial->start).count();
       trial->ended = true;
       trial->ended_cv.notify_all();
+    };
+    // A torus Work's future ends in the backend's delivery order (delivery_order.h): a
+    // decision made inside the callback of an earlier Work would wait for itself.
+    if (auto* torus_work = dynamic_cast<TorusWork*>(work.get()))
+      return torus_work->on_settled(ended);
+    work->getFuture()->addCallback([ended](c10::ivalue::Future& future) {
+      ended(future.hasError() ? future.exception_ptr() : nullptr);
     });
     return;
   }

@@ -38,15 +38,29 @@ void TorusWork::fail(const std::exception_ptr& error) {
   if (claim()) end(error);
 }
 
+void TorusWork::on_settled(std::function<void(const std::exception_ptr&)> hook) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!ended_) {
+    settled_hook_ = std::move(hook);
+    return;
+  }
+  const std::exception_ptr error = error_;
+  lock.unlock();
+  hook(error);
+}
+
 void TorusWork::end(std::exception_ptr error) {
   bool waited;
+  std::function<void(const std::exception_ptr&)> hook;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    error_ = std::move(error);
+    error_ = error;
     ended_ = true;
     waited = waiting_ > 0;  // a waiter that times out first leaves 0 behind (wait())
+    hook = std::move(settled_hook_);
   }
   cv_.notify_all();
+  if (hook) hook(error);
   if (!waited)
     run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)] {
       self->deliver();

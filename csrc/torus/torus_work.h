@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -35,6 +36,11 @@ class TorusWork : public c10d::Work {
   void complete();
   virtual void fail(const std::exception_ptr& error);
   bool settled() const { return settled_; }
+
+  // Runs `hook` (one per Work) with the failure, or null, as soon as the collective has ended,
+  // on the thread that saw it end (at once if it has), before the callers hear of it: their
+  // turn comes in the backend's delivery order, which the tuner's timing must not wait for.
+  void on_settled(std::function<void(const std::exception_ptr&)> hook);
 
   // c10d::Work::wait, except that the waiting thread ends the Work itself once the collective
   // has ended: one thread handoff fewer than through a callback thread.
@@ -61,6 +67,7 @@ class TorusWork : public c10d::Work {
   // Under c10d::Work's mutex_: end() has run (with error_), and the threads inside wait().
   bool ended_ = false;
   std::exception_ptr error_;
+  std::function<void(const std::exception_ptr&)> settled_hook_;
   int waiting_ = 0;
 };
 
