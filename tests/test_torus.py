@@ -458,23 +458,22 @@ def test_an_empty_tensor_on_one_rank_is_an_error_not_a_shifted_call(algorithm):
 
 def callbacks_that_issue_collectives(rank, world_size, port, algorithm):
     """Two allreduces in flight, each with a callback that allreduces a buffer of its own (as
-    PowerSGD's hook does per bucket), once both are issued: the nested sums, for 30 rounds."""
+    PowerSGD's hook does per bucket): the nested sums, for 30 rounds. The callbacks are added
+    once both are issued (one added to a future that has ended runs at once, on this thread:
+    its collective would then come before the second allreduce on this rank only)."""
     init(rank, world_size, port, TorusOptions(algorithm=algorithm), seconds=20)
     sums = []
     for _ in range(30):
         nested = [torch.full((1000,), float(100 * k + rank)) for k in range(2)]
-        issued = threading.Event()
 
         def callback(k):
             def run(future):
-                issued.wait(10)  # a callback's collective issued before the second allreduce
-                dist.all_reduce(nested[k], async_op=True).get_future().wait()  # would cross it
+                dist.all_reduce(nested[k], async_op=True).get_future().wait()
                 return nested[k][0].item()
             return run
 
-        futures = [dist.all_reduce(torch.ones(1_000_000), async_op=True).get_future()
-                   .then(callback(k)) for k in range(2)]
-        issued.set()
+        works = [dist.all_reduce(torch.ones(1_000_000), async_op=True) for _ in range(2)]
+        futures = [work.get_future().then(callback(k)) for k, work in enumerate(works)]
         sums.append([future.wait() for future in futures])
     return sums
 
