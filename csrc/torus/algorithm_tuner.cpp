@@ -340,8 +340,8 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   for (size_t i = 0; i < count; ++i)
     times += c10::str(i ? ", " : "", state.candidates[i].describe(), " ",
                       format_milliseconds(best[i]));
-  std::cerr << "torch_bigbatch torus (" << group_ << "): " << describe_class(device, size_class) << " run "
-            << state.decided->describe() << " (" << times
+  std::cerr << "torch_bigbatch torus (" << group_ << "): " << describe_class(device, size_class)
+            << " run " << state.decided->describe() << " (" << times
             << ": the least over the ranks of each one's median of " << timed
             << " calls; the torus must beat flat by " << kFlatMargin * 100 << "%)"
             << std::endl;

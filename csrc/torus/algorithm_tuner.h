@@ -110,7 +110,8 @@ class AlgorithmTuner {
   // shape, as several groups decide alike); agree: the whole CPU group, for the
   // one MIN allreduce of each decision; timeout: how long a decision waits for its trials;
   // failure: the backend's, which a failed decision records (begin() refuses after any).
-  AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda, std::vector<PinnedClass> pinned,
+  AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda,
+                 std::vector<PinnedClass> pinned,
                  c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
                  std::shared_ptr<BackendFailure> failure, int calls_per_candidate = 5);
 

@@ -77,7 +77,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       timeout_(settings.timeout),
       cpu_(std::move(cpu)),
       cuda_(std::move(cuda)),
-      tuner_(shape.rank, std::move(settings.group), on_host(settings.cpu), on_device(settings.cuda, cuda_),
+      tuner_(shape.rank, std::move(settings.group), on_host(settings.cpu),
+             on_device(settings.cuda, cuda_),
              std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout,
              failure_) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",

@@ -138,7 +138,8 @@ void bind_torus(py::module& m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("columns"), py::arg("rows"),
            py::arg("cpu"), py::arg("cuda"), py::arg("cpu_tuning"), py::arg("cuda_tuning"),
-           py::arg("pinned"), py::arg("timeout"), py::arg("group"), py::call_guard<py::gil_scoped_release>())
+           py::arg("pinned"), py::arg("timeout"), py::arg("group"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shape",
                              [](const TorusBackend& self) {
                                return std::make_pair(self.shape().columns, self.shape().rows);

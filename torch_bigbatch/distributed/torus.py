@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .._checks import is_int
 from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
@@ -130,11 +131,11 @@ class TorusOptions:
         if self.cuda_engine not in CUDA_ENGINES:
             raise ValueError(f"cuda_engine must be one of {', '.join(CUDA_ENGINES)}, got "
                              f"{self.cuda_engine!r}")
-        if self.segment_bytes is not None and not (_is_int(self.segment_bytes)
+        if self.segment_bytes is not None and not (is_int(self.segment_bytes)
                                                    and self.segment_bytes > 0):
             raise ValueError(f"segment_bytes must be a positive int, got {self.segment_bytes!r}")
         if self.torus_max_bytes is not None:
-            if not (_is_int(self.torus_max_bytes) and self.torus_max_bytes >= 0):
+            if not (is_int(self.torus_max_bytes) and self.torus_max_bytes >= 0):
                 raise ValueError("torus_max_bytes must be an int >= 0 or None, got "
                                  f"{self.torus_max_bytes!r}")
             if self.algorithm != "auto":  # it would be ignored
@@ -151,10 +152,6 @@ class TorusOptions:
             if self.algorithm != "auto" or self.torus_max_bytes is not None:
                 raise ValueError("a pinned table applies to algorithm 'auto' without "
                                  "torus_max_bytes")
-
-
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _pinned_rows(table):
@@ -184,11 +181,11 @@ def _pinned_rows(table):
             continue
         # A size class is (max_bytes / 2, max_bytes] for a power of two, as the table lists it:
         # another bound would pin sizes its row does not name.
-        size_class = max_bytes.bit_length() - 1 if _is_int(max_bytes) and max_bytes > 0 else -1
+        size_class = max_bytes.bit_length() - 1 if is_int(max_bytes) and max_bytes > 0 else -1
         if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") \
                 or size_class < 0 or max_bytes != 1 << size_class \
                 or min_bytes not in (None, 0 if size_class == 0 else max_bytes // 2 + 1) \
-                or not (segment_bytes is None or _is_int(segment_bytes) and segment_bytes > 0) \
+                or not (segment_bytes is None or is_int(segment_bytes) and segment_bytes > 0) \
                 or not isinstance(one_shot, bool) \
                 or (algorithm == "torus" and segment_bytes is None and not one_shot) \
                 or (one_shot and device != "cpu"):
@@ -471,7 +468,7 @@ def torus_algorithm(nbytes, group=None, device="cpu") -> str:
     "torus", "flat" (the whole group's own allreduce), or "measuring" (its size class is still
     in its trials under algorithm "auto")."""
     backend = _torus_backend(group)
-    if not (_is_int(nbytes) and 0 <= nbytes < 2**62):
+    if not (is_int(nbytes) and 0 <= nbytes < 2**62):
         raise ValueError(f"nbytes must be an int in [0, 2**62), got {nbytes!r}")
     device = torch.device(device).type
     if device not in ("cpu", "cuda"):

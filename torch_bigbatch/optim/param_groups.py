@@ -1,8 +1,8 @@
 """Parameter groups for large-batch training: no weight decay (and no LARS adaptation) on the
 parameters of normalization layers (Goyal et al. 2017, section 5.1: BatchNorm's gamma and beta)
-nor on biases (as MLPerf's ResNet-50 LARS reference excludes them, and torchvision's reference
-recipes with --bias-weight-decay 0; in ResNet-50 that is the 1,000 values of fc.bias, which Goyal et al.
-decay)."""
+nor on biases (as MLPerf's ResNet-50 LARS reference excludes them, and torchvision's
+reference recipes with --bias-weight-decay 0; in ResNet-50 that is the 1,000 values of
+fc.bias, which Goyal et al. decay)."""
 
 from torch import nn
 

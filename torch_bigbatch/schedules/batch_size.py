@@ -6,9 +6,7 @@ import bisect
 import torch
 from torch.utils.data import Sampler
 
-
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+from .._checks import is_int
 
 
 class BatchSizeSchedule:
@@ -25,7 +23,7 @@ class BatchSizeSchedule:
             raise ValueError("batch sizes must be an int or a dict {first epoch: batch size} "
                              f"with an entry for epoch 0, got {batch_sizes!r}")
         for epoch, size in batch_sizes.items():
-            if not (_is_int(epoch) and epoch >= 0 and _is_int(size) and size > 0):
+            if not (is_int(epoch) and epoch >= 0 and is_int(size) and size > 0):
                 raise ValueError(f"invalid entry {epoch!r}: {size!r} (epochs are ints >= 0, "
                                  "batch sizes ints > 0)")
         self.starts = sorted(batch_sizes)
@@ -69,10 +67,10 @@ class DistributedBatchSampler(Sampler):
     """
 
     def __init__(self, dataset_size, schedule, rank, world_size, seed=0, drop_last=True):
-        if not (_is_int(rank) and _is_int(world_size) and 0 <= rank < world_size):
+        if not (is_int(rank) and is_int(world_size) and 0 <= rank < world_size):
             raise ValueError(f"rank must be an int in [0, world_size), and world_size a positive "
                              f"int; got rank {rank!r}, world_size {world_size!r}")
-        if not (_is_int(dataset_size) and dataset_size >= 0):
+        if not (is_int(dataset_size) and dataset_size >= 0):
             raise ValueError(f"dataset_size must be an int >= 0, got {dataset_size!r}")
         self.schedule = schedule if isinstance(schedule, BatchSizeSchedule) \
             else BatchSizeSchedule(schedule)
@@ -82,7 +80,7 @@ class DistributedBatchSampler(Sampler):
 
     def set_epoch(self, epoch, first_batch=0):
         for name, value in (("epoch", epoch), ("first_batch", first_batch)):
-            if not (_is_int(value) and value >= 0):  # a negative first batch yielded an empty one
+            if not (is_int(value) and value >= 0):  # a negative first batch yielded an empty one
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.epoch, self.first_batch = epoch, first_batch
 
