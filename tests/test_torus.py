@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
+from torch_bigbatch.distributed.torus import _compare
 from torch_bigbatch.distributed import (TorusOptions, resolve_shape, torus_algorithm,
                                         torus_algorithm_table, torus_allreduce_counts,
                                         torus_shape)
 
 from conftest import CUDA, needs_cuda
-from multiprocess import run_ranks
+from multiprocess import free_port, run_ranks
 
 OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.bfloat16]
@@ -820,6 +821,47 @@ def test_ranks_that_disagree_all_fail_at_once(variable, values, what, expected):
         assert all(part in message for part in expected), message
         assert "rank 1" not in message and "rank 3" not in message, message
     assert time.monotonic() - start < 20, "they failed only at the timeout"
+
+
+class SlowToReadTheVerdict:
+    """A rank's store that fetches the verdict `delay` s late, as a rank descheduled there."""
+
+    def __init__(self, store, delay):
+        self.store, self.delay = store, delay
+
+    def get(self, key):
+        if key.endswith("verdict"):
+            time.sleep(self.delay)
+        return self.store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_rank_0_ends_the_comparison_only_after_every_rank_has_read_the_verdict():
+    """Rank 0 hosts the store and, when the ranks disagree, raises and exits: once, in CI, a
+    rank slower to read the verdict got "Connection was likely closed" instead of it."""
+    port, timeout = free_port(), datetime.timedelta(seconds=10)
+    stores = [dist.TCPStore("127.0.0.1", port, 3, True, timeout=timeout, wait_for_workers=False)]
+    stores += [dist.TCPStore("127.0.0.1", port, 3, False, timeout=timeout) for _ in range(2)]
+    stores[2] = SlowToReadTheVerdict(stores[2], delay=0.5)
+    verdicts = {}
+
+    def compare(rank):
+        try:
+            verdicts[rank] = _compare(stores[rank], rank, 3, "settings", f"spec {rank == 2}")
+        except Exception as error:  # noqa: BLE001  (the test reports what each rank got)
+            verdicts[rank] = repr(error)
+        if rank == 0:
+            stores[0] = None  # the host leaves, as a rank 0 that raised would exit
+
+    threads = [threading.Thread(target=compare, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    expected = "rank 0 spec False; rank 2 spec True"
+    assert verdicts == {0: expected, 1: expected, 2: expected}
 
 
 def algorithm_choice(rank, world_size, port):

@@ -357,7 +357,9 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
 
 def _compare(store, rank, size, key, spec):
     """Every rank's `spec` (a string) against rank 0's: "agreed", or rank 0's and those of the
-    ranks that differ from it."""
+    ranks that differ from it. Rank 0 returns only once every rank has read the verdict: it
+    often hosts the store, and a rank 0 that raised and exited first would leave the others a
+    lost connection instead of the message."""
     store.set(f"{key}/{rank}", spec)
     if rank == 0:
         specs = [store.get(f"{key}/{other}").decode() for other in range(size)]
@@ -365,7 +367,12 @@ def _compare(store, rank, size, key, spec):
                      if spec != specs[0]]
         store.set(f"{key}/verdict", "; ".join([f"rank 0 {specs[0]}"] + differing)
                   if differing else "agreed")
-    return store.get(f"{key}/verdict").decode()
+    verdict = store.get(f"{key}/verdict").decode()
+    if store.add(f"{key}/read", 1) == size:
+        store.set(f"{key}/read by all", "")
+    if rank == 0:
+        store.wait([f"{key}/read by all"])
+    return verdict
 
 
 def _agree_on_shape(store, rank, size, resolve):
