@@ -10,6 +10,17 @@ import torch_bigbatch  # noqa: F401  (registers the ops)
 # but "terminate called without an active exception".
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def process_environment(**variables):
+    """The environment of a process a test starts: this checkout's torch_bigbatch first on the
+    path (a script under benchmarks/ or examples/ would otherwise import whichever copy is
+    installed), one thread per process, and `variables`."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **variables}
+
+
 CUDA = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -20,6 +20,7 @@ from multiprocess import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_cluster  # noqa: E402
+from conftest import process_environment  # noqa: E402
 from emulated_cluster import (EmulatedCluster, format_outputs, read_text,  # noqa: E402
                               unsupported_reason)
 
@@ -42,20 +43,15 @@ def cluster_support():
         pytest.skip(reason)
 
 
-def job_env(**extra):
-    """This checkout's package in every process (not an installed copy), one thread each."""
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
-
-
 def torus_env(**extra):
-    """job_env with the torus algorithm fixed, for runs compared bit for bit: "auto" measures,
-    and two runs may pick algorithms whose sums round differently."""
-    return job_env(TORCH_BIGBATCH_TORUS_ALGORITHM="torus", **extra)
+    """process_environment with the torus algorithm fixed, for runs compared bit for bit: "auto"
+    measures, and two runs may pick algorithms whose sums round differently."""
+    return process_environment(TORCH_BIGBATCH_TORUS_ALGORITHM="torus", **extra)
 
 
 def run_on_cluster(cluster, args, env=None, timeout=240):
     return cluster.run(lambda node: cluster.torchrun(node, args, 2), timeout=timeout,
-                       env=env or job_env())
+                       env=env or process_environment())
 
 
 def assert_succeeded(cluster, results):
@@ -155,7 +151,7 @@ def test_two_nodes_end_as_one_host(straight_run, tmp_path):
     (the same phases over the same ranks), and as Gloo's ring up to rounding."""
     host_torus, host_gloo = str(tmp_path / "torus"), str(tmp_path / "gloo")
     run_on_one_host([*JOB, "--output", host_torus], torus_env(TORCH_BIGBATCH_TORUS="2x2"))
-    run_on_one_host([*JOB, "--output", host_gloo, "--backend", "gloo"], job_env())
+    run_on_one_host([*JOB, "--output", host_gloo, "--backend", "gloo"], process_environment())
     cluster, torus, gloo = parameters(straight_run), parameters(host_torus), parameters(host_gloo)
     assert cluster.keys() == torus.keys() == gloo.keys()
     for key in cluster:
@@ -226,7 +222,7 @@ def test_gloo_finds_the_node_address_where_its_name_is_loopback(tmp_path):
         assert_succeeded(cluster, results)
         assert "finished after epoch 1" in results[0][1]
         results = run_on_cluster(cluster, [*SHORT_JOB, "--output", str(tmp_path / "b")],
-                                 env=job_env(GLOO_SOCKET_IFNAME="lo"))
+                                 env=process_environment(GLOO_SOCKET_IFNAME="lo"))
     assert all(code != 0 for code, _ in results)
     # The node whose workers fail first ends the rendezvous; the other's may not get to print.
     message = ("The torus's Gloo group bound interface lo. If the ranks cannot reach each other "

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_bigbatch as bb
-from conftest import DEVICES, assert_relative_close
+from conftest import DEVICES, assert_relative_close, process_environment
 
 LOCAL_OF = {2: bb.nn.LocalBatchNorm1d, 3: bb.nn.LocalBatchNorm1d, 4: bb.nn.LocalBatchNorm2d,
             5: bb.nn.LocalBatchNorm3d}
@@ -511,7 +511,7 @@ def test_large_broadcast_batch_runs_in_bounds():
         print("ok")
     """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=process_environment())
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 

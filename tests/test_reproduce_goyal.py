@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torch_bigbatch as bb
+from conftest import process_environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "reproduce_goyal.py"
@@ -85,7 +86,7 @@ def run(output, *extra):
                "--points", "2",
                "--jobs", "1", "--output", str(output), *extra]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=process_environment())
 
 
 def read(path):

@@ -21,7 +21,7 @@ from torch_bigbatch.distributed import (TorusOptions, resolve_shape, torus_algor
                                         torus_algorithm_table, torus_allreduce_counts,
                                         torus_shape)
 
-from conftest import CUDA, needs_cuda
+from conftest import CUDA, needs_cuda, process_environment
 from multiprocess import free_port, run_ranks
 
 OPS = ["SUM", "AVG", "MAX", "MIN", "PRODUCT"]
@@ -553,11 +553,9 @@ def test_a_job_whose_calls_all_ended_exits_cleanly(tmp_path):
             port = probe.getsockname()[1]
         ranks = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                       "OMP_NUM_THREADS": "1",  # this package, as imported here
-                                       "PYTHONPATH": os.path.dirname(os.path.dirname(
-                                           torch_bigbatch.__file__))}) for rank in range(2)]
+                                  env=process_environment(
+                                      RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port))) for rank in range(2)]
         for rank, process in enumerate(ranks):
             output, _ = process.communicate(timeout=60)
             assert process.returncode == 0, f"attempt {attempt}, rank {rank}: {output[-2000:]}"

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch
-from train_job import SCRIPT, TINY, environment, run_single, torchrun
+from conftest import process_environment
+from train_job import SCRIPT, TINY, run_single, torchrun
 
 pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
 
@@ -162,7 +163,7 @@ def test_a_new_run_moves_an_earlier_runs_checkpoint_aside(tmp_path):
 def test_one_plain_process_needs_no_port(tmp_path):
     """`python train_resnet50.py` without torchrun keeps its rendezvous in the process: two at
     once both run (a fixed port 29500 made the second fail with EADDRINUSE)."""
-    env = environment()
+    env = process_environment()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     runs = [subprocess.Popen([sys.executable, SCRIPT, *TINY, "--epochs", "1", "--output",

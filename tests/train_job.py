@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
+from conftest import ROOT, process_environment
 from multiprocess import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_resnet50.py")
 # A small job: 256 synthetic training images, 32 per rank (8 steps an epoch on one rank).
 TINY = ["--dataset", "synthetic", "--synthetic-size", "256", "--batch-per-rank", "32",
@@ -23,26 +23,19 @@ def import_script():
     return importlib.import_module("train_resnet50")
 
 
-def environment(**variables):
-    """One thread per process, and this checkout's torch_bigbatch first on the path: the script
-    runs from examples/, so it would otherwise import whichever copy is installed."""
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **variables}
-
-
 def torchrun(args, processes=2, timeout=180):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env=environment())
+                            env=process_environment())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-12000:]
     return result.stdout
 
 
 def run_single(args, rank=0, world_size=1, restart_count=0):
     """The script in one process (no torchrun), as rank `rank` of `world_size`."""
-    env = environment(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()),
-                      TORCHELASTIC_RESTART_COUNT=str(restart_count))
+    env = process_environment(RANK=str(rank), WORLD_SIZE=str(world_size),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                              TORCHELASTIC_RESTART_COUNT=str(restart_count))
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
                           timeout=60, env=env)
