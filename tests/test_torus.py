@@ -536,6 +536,84 @@ def test_a_decision_inside_a_callback_does_not_wait_for_the_delivery_order():
         assert seconds < 5, seconds
 
 
+# The later call ends first: the earlier one is the whole group's allreduce of 16 MiB.
+FLAT_LARGE_TORUS_SMALL = [
+    {"device": "cpu", "max_bytes": 16 << 20, "algorithm": "flat"},
+    {"device": "cpu", "max_bytes": 4096, "algorithm": "torus", "segment_bytes": 1 << 20,
+     "one_shot": False}]
+LATE_TIMEOUT = 5  # seconds
+
+
+def callback_that_waits_for_a_later_call(rank, world_size, port, how):
+    """The first call's callback waits for the second call, which ended first (a callback
+    thread took it, to end it in its turn, after the first): by its Work or by its future."""
+    group = init_with_group(rank, world_size, port, TorusOptions(table=FLAT_LARGE_TORUS_SMALL),
+                            LATE_TIMEOUT)
+    second = torch.full((1000,), float(rank + 1))
+    first = dist.all_reduce(torch.ones(4 << 20), async_op=True, group=group)
+    later = dist.all_reduce(second, async_op=True, group=group)
+    wait = later.wait if how == "work" else later.get_future().wait
+
+    def callback(future):
+        wait()
+        return second[0].item()
+
+    chained = first.get_future().then(callback)
+    start = time.monotonic()
+    try:
+        return chained.wait(), time.monotonic() - start
+    except RuntimeError as error:
+        return str(error), time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_callback_may_wait_for_the_work_of_a_later_call():
+    """It once waited for ever: the thread that took the later call waited for the first
+    call's callbacks to return, and the callback for that thread."""
+    for value, seconds in run_ranks(callback_that_waits_for_a_later_call, 2, "work",
+                                    deadline=60):
+        assert value == 3.0 and seconds < LATE_TIMEOUT, (value, seconds)
+
+
+@pytest.mark.slow
+def test_a_callback_that_waits_for_a_later_calls_future_fails_at_the_timeout():
+    """Only the later call's end (in its turn, after the callback) completes its future: the
+    later call ends with an error once the callback has run for the timeout, not never."""
+    for message, seconds in run_ranks(callback_that_waits_for_a_later_call, 2, "future",
+                                      deadline=60):
+        assert "have not returned within the timeout" in message, message
+        assert LATE_TIMEOUT - 1 < seconds < LATE_TIMEOUT + 5, seconds
+
+
+def wait_with_a_timeout_behind_a_slow_callback(rank, world_size, port):
+    group = init_with_group(rank, world_size, port, TorusOptions(table=FLAT_LARGE_TORUS_SMALL),
+                            LATE_TIMEOUT)
+    release = threading.Event()
+    first = dist.all_reduce(torch.ones(4 << 20), async_op=True, group=group)
+    chained = first.get_future().then(lambda future: release.wait(10))
+    later = dist.all_reduce(torch.full((1000,), float(rank + 1)), async_op=True, group=group)
+    start = time.monotonic()
+    try:
+        later.wait(timeout=datetime.timedelta(seconds=0.5))
+        outcome = "returned"
+    except RuntimeError as error:
+        outcome = str(error)
+    seconds = time.monotonic() - start
+    release.set()
+    later.wait()
+    return outcome, seconds, chained.wait(), later.result()[0][0].item()
+
+
+@pytest.mark.slow
+def test_a_wait_with_a_timeout_is_bounded_by_it_while_an_earlier_callback_runs():
+    """The later call's end for its callers waits for the first call's callback: wait(timeout)
+    waited for it whatever the timeout. It ends the later call once that callback returned."""
+    for outcome, seconds, released, value in run_ranks(
+            wait_with_a_timeout_behind_a_slow_callback, 2, deadline=60):
+        assert "timed out" in outcome and seconds < 2, (outcome, seconds)
+        assert released is True and value == 3.0
+
+
 EXIT_AFTER_FUTURES = """
 import datetime, torch, torch.distributed as dist
 import socket

@@ -1,32 +1,61 @@
 #include "torus/delivery_order.h"
 
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
 namespace torch_bigbatch::torus {
 
 namespace {
-thread_local bool delivering = false;
+thread_local bool delivering_here = false;  // this thread delivers a Work
 }  // namespace
 
-DeliveryOrder::Delivering::Delivering() : outer_(!delivering) { delivering = true; }
+DeliveryOrder::Delivering::Delivering() : outer_(!delivering_here) { delivering_here = true; }
 
 DeliveryOrder::Delivering::~Delivering() {
-  if (outer_) delivering = false;
+  if (outer_) delivering_here = false;
 }
 
 std::optional<uint64_t> DeliveryOrder::ticket() {
-  if (delivering) return std::nullopt;
+  if (delivering_here) return std::nullopt;
   std::lock_guard<std::mutex> lock(mutex_);
   return issued_++;
 }
 
-void DeliveryOrder::wait_turn(uint64_t ticket) {
-  if (delivering) return;
+bool DeliveryOrder::wait_turn(uint64_t ticket, Clock::time_point until) {
+  if (delivering_here) return true;
   std::unique_lock<std::mutex> lock(mutex_);
-  turn_.wait(lock, [&] { return next_ == ticket; });
+  // `>`: the ticket was delivered out of turn (done() passes over it).
+  return turn_.wait_until(lock, until, [&] { return next_ >= ticket; });
+}
+
+bool DeliveryOrder::wait_turn_unless_late(uint64_t ticket) {
+  if (delivering_here) return true;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (next_ < ticket) {
+    const auto head = delivering_since_.find(next_);
+    if (head == delivering_since_.end()) {
+      turn_.wait(lock);  // its collective is still running; delivering() and done() notify
+    } else if (Clock::now() >= head->second + timeout_) {
+      return false;
+    } else {
+      turn_.wait_until(lock, head->second + timeout_);
+    }
+  }
+  return true;
+}
+
+void DeliveryOrder::delivering(uint64_t ticket) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    delivering_since_.emplace(ticket, Clock::now());
+  }
+  turn_.notify_all();
 }
 
 void DeliveryOrder::done(uint64_t ticket) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    delivering_since_.erase(ticket);
     ended_early_.insert(ticket);
     while (!ended_early_.empty() && *ended_early_.begin() == next_) {
       ended_early_.erase(ended_early_.begin());
@@ -34,6 +63,14 @@ void DeliveryOrder::done(uint64_t ticket) {
     }
   }
   turn_.notify_all();
+}
+
+std::exception_ptr DeliveryOrder::late() const {
+  return std::make_exception_ptr(C10_BUILD_ERROR(
+      DistBackendError, c10::str("torus: the callbacks of an earlier collective of this group have not "
+      "returned within the timeout (", timeout_.count(), " ms), and this collective's callbacks "
+      "run after them; a callback that waits for a later collective's future waits for ever: "
+      "wait for its Work (work.wait()) instead")));
 }
 
 }  // namespace torch_bigbatch::torus

@@ -2,6 +2,7 @@
 
 #include "torus/flat_buffer.h"
 #include "torus/local_reduce.h"
+#include "torus/thread_activity.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -54,6 +55,9 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
   // A phase that could not be enqueued fails the pipeline at once; the phases enqueued before
   // it still run, and the watcher keeps their tensors until they end.
   if (error) work->fail(error);
+  // The watcher holds the Work (its tensors, which Python may own) until the device is done:
+  // at exit Python waits for that (thread_activity.h).
+  thread_activity::started();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     incoming_.push_back(work);
@@ -238,6 +242,9 @@ void StreamPipeline::watch() {
     // rather than go back to the caching allocator while a stream may still write them.
     if (!device_finished(*work)) (void)work.release();
   }
+  const size_t held = watched.size();
+  watched.clear();
+  for (size_t i = 0; i < held; ++i) thread_activity::finished();
 }
 
 void StreamPipeline::prepare_watcher(c10::Device device) {
@@ -281,6 +288,7 @@ void StreamPipeline::poll(std::deque<c10::intrusive_ptr<StreamWork>>& watched) {
   }
   while (!watched.empty() && watched.front()->settled() && device_finished(*watched.front())) {
     watched.pop_front();
+    thread_activity::finished();
   }
 }
 

@@ -49,15 +49,19 @@ bool StreamWork::device_done() const {
 }
 
 bool StreamWork::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (timeout != kNoTimeout && !cv_.wait_for(lock, timeout, [this] { return completed_; })) {
-    lock.unlock();
-    fail(timed_out(timeout));  // nothing happens if the watcher has just settled it
-    lock.lock();
-    cv_.wait(lock, [this] { return completed_; });  // TorusWork::end
+  std::exception_ptr error;
+  if (timeout != kNoTimeout) {
+    const auto until = Clock::now() + timeout;
+    if (!wait_until_ended(until)) fail(timed_out(timeout));  // unless the watcher just settled it
+    if (!delivered_by(until)) {  // its turn has not come: its failure is known all the same
+      error = settled_error();
+      TORCH_CHECK(error, "Operation timed out!");
+    }
   }
-  std::exception_ptr error = exception_;
-  lock.unlock();
+  if (!error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error = exception_;
+  }
   if (error) std::rethrow_exception(error);
   synchronize();
   return true;

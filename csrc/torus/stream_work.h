@@ -83,14 +83,13 @@ class StreamWork : public TorusWork {
   bool device_done() const;  // the device no longer uses its tensors (even after a failure)
 
   // As ProcessGroupNCCL's Work: wait() makes the current stream wait for the result and raises
-  // a failure known by then; wait(timeout) blocks the host until the work is settled or the
-  // timeout has passed (then the work fails, naming the phase it waits for).
+  // a failure known by then; wait(timeout) blocks the host until the work has ended for its
+  // callers (its turn in the delivery order) or the timeout has passed (then a work still
+  // running fails, naming the phase it waits for).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;  // the current stream waits for the result
 
  private:
-  using Clock = std::chrono::steady_clock;
-
   const PhaseWork* first_phase(bool (*matches)(c10d::Work&)) const;
   std::exception_ptr disagreement();  // once the comparison has arrived; watcher thread only
   std::exception_ptr failed_phase() const;

@@ -1,5 +1,5 @@
 // The tasks of this package's own threads (callback threads, the host pipeline's phase
-// threads) that may still release what Python owns: a future's Python callback, the tensors
+// threads, the device pipeline's watcher) that may still release what Python owns: a future's Python callback, the tensors
 // of a Work whose result Python read. At interpreter exit Python waits for them (an atexit
 // hook, torch_bigbatch/distributed/torus.py): a thread that takes the GIL while the
 // interpreter finalizes is ended inside a destructor, and the process aborts (std::terminate;

@@ -61,21 +61,34 @@ void TorusWork::end(std::exception_ptr error) {
   }
   cv_.notify_all();
   if (hook) hook(error);
-  if (!waited)
-    run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)] {
-      self->deliver();
-    });
+  if (!waited) hand_over();
+}
+
+void TorusWork::hand_over() {
+  run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)] {
+    self->deliver();
+  });
 }
 
 void TorusWork::deliver() {
+  if (delivered_) return;  // by a callback that waited for it, out of turn
+  const bool in_turn = !ticket_ || order_->wait_turn_unless_late(*ticket_);
+  deliver_now(in_turn ? nullptr : order_->late());
+}
+
+bool TorusWork::deliver_by(Clock::time_point until) {
+  if (delivered_) return true;
+  if (ticket_ && !order_->wait_turn(*ticket_, until)) return false;
+  deliver_now(nullptr);
+  return true;
+}
+
+void TorusWork::deliver_now(const std::exception_ptr& late) {
   if (delivered_.exchange(true)) return;
-  if (ticket_) order_->wait_turn(*ticket_);  // the Works issued before this one ended first
+  if (ticket_) order_->delivering(*ticket_);
   const DeliveryOrder::Delivering delivering;  // collectives its callbacks issue are not queued
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    error = error_;
-  }
+  std::exception_ptr error = settled_error();
+  if (!error) error = late;
   std::optional<c10::StreamGuard> on_completion;
   if (completion_) on_completion.emplace(*completion_);
   try {  // a callback that throws must not leave wait() waiting
@@ -91,21 +104,46 @@ void TorusWork::deliver() {
   if (ticket_) order_->done(*ticket_);
 }
 
-bool TorusWork::wait(std::chrono::milliseconds timeout) {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    ++waiting_;
-    const auto ended = [this] { return ended_; };  // completed_ comes later (deliver())
-    if (timeout == kNoTimeout) {
-      cv_.wait(lock, ended);
-    } else {
-      cv_.wait_for(lock, timeout, ended);
-    }
-    --waiting_;
-    TORCH_CHECK(ended_, "Operation timed out!");  // as c10d::Work::wait says it
+std::exception_ptr TorusWork::settled_error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+bool TorusWork::wait_until_ended(std::optional<Clock::time_point> until) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++waiting_;
+  const auto ended = [this] { return ended_; };  // completed_ comes later (deliver())
+  if (until) {
+    cv_.wait_until(lock, *until, ended);
+  } else {
+    cv_.wait(lock, ended);
   }
-  deliver();  // here, unless another thread is at it: then the wait below is for its end
-  return c10d::Work::wait(kNoTimeout);
+  --waiting_;  // a waiter that gave up leaves end() to hand the Work to a callback thread
+  return ended_;
+}
+
+bool TorusWork::delivered_by(std::optional<Clock::time_point> until) {
+  if (!until) {
+    deliver();
+  } else if (!deliver_by(*until)) {
+    hand_over();  // end() left it to this thread, which may not wait longer
+    return false;
+  }
+  std::unique_lock<std::mutex> lock(mutex_);  // for the thread at it, if another one is
+  const auto delivered = [this] { return completed_; };
+  if (!until) {
+    cv_.wait(lock, delivered);
+    return true;
+  }
+  return cv_.wait_until(lock, *until, delivered);
+}
+
+bool TorusWork::wait(std::chrono::milliseconds timeout) {
+  std::optional<Clock::time_point> until;
+  if (timeout != kNoTimeout) until = Clock::now() + timeout;
+  // As c10d::Work::wait says a timeout.
+  TORCH_CHECK(wait_until_ended(until) && delivered_by(until), "Operation timed out!");
+  return c10d::Work::wait(kNoTimeout);  // raises its failure
 }
 
 }  // namespace torch_bigbatch::torus

@@ -43,20 +43,39 @@ class TorusWork : public c10d::Work {
   void on_settled(std::function<void(const std::exception_ptr&)> hook);
 
   // c10d::Work::wait, except that the waiting thread ends the Work itself once the collective
-  // has ended: one thread handoff fewer than through a callback thread.
+  // has ended and its turn has come: one thread handoff fewer than through a callback thread.
+  // Bounded by `timeout` (the wait for its turn too).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
 
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  protected:
+  using Clock = DeliveryOrder::Clock;
+
   bool claim() { return !settled_.exchange(true); }  // true for the first caller only
   void end(std::exception_ptr error);                // after claim()
+  // Until the collective has ended (settled), or `until` (none: no limit); whether it has.
+  bool wait_until_ended(std::optional<Clock::time_point> until);
+  // After the collective has ended: until the Work has ended for its callers (its future and
+  // then the Work), here if its turn comes first (without `until`, or late: see deliver()), or
+  // on the thread already at it. False when `until` came first: a callback thread ends it in
+  // its turn.
+  bool delivered_by(std::optional<Clock::time_point> until);
+  std::exception_ptr settled_error();  // the collective's failure, once ended
 
   const std::vector<at::Tensor> outputs_;
 
  private:
-  void deliver();  // settles the future, then the Work: once, on whichever thread comes first
+  // The Work's end for its callers, once, on whichever thread comes first. deliver() waits for
+  // its turn, or ends it with the order's late() error once the Work whose turn it is has run
+  // its callbacks for the timeout; deliver_by(until) gives up at `until` and returns false. The
+  // turn comes before the claim: a thread that claimed and then waited for its turn blocked a
+  // callback that waits for this Work, for ever.
+  void deliver();
+  bool deliver_by(Clock::time_point until);
+  void deliver_now(const std::exception_ptr& late);
+  void hand_over();  // deliver() on a callback thread
 
   const std::shared_ptr<DeliveryOrder> order_;
   const std::optional<uint64_t> ticket_;
