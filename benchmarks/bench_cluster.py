@@ -180,12 +180,12 @@ def print_table(rows, result):
     print(f"\n{first['nodes']} nodes x {first['nproc_per_node']} processes, links "
           f"{first['rate']}, torus {first['shape']} ({layout})")
     print(f"{'size':>9} | {'algorithm':>9} | {'ms':>9} | {'model ms':>9} | "
-          f"{'sent per node':>13} | {'x buffer':>8} | {'expected':>8}")
+          f"{'sent per node':>13} | {'x buffer':>8} | {'expected':>8} | runs")
     for row in rows:
         model = f"{row['model_ms']:9.2f}" if row["model_ms"] is not None else f"{'-':>9}"
         print(f"{label(row['bytes']):>9} | {row['algorithm']:>9} | {row['ms']:9.2f} | {model} | "
               f"{row['sent_bytes_per_node'] / 2**20:9.3f} MiB | {row['sent_per_buffer']:8.3f} | "
-              f"{row['expected_per_buffer']:8.3f}")
+              f"{row['expected_per_buffer']:8.3f} | {row['runs']}")
 
 
 def fitted_alpha_beta(result, ranks):
