@@ -65,12 +65,16 @@ void DeliveryOrder::done(uint64_t ticket) {
   turn_.notify_all();
 }
 
-std::exception_ptr DeliveryOrder::late() const {
-  return std::make_exception_ptr(C10_BUILD_ERROR(
-      DistBackendError, c10::str("torus: the callbacks of an earlier collective of this group have not "
-      "returned within the timeout (", timeout_.count(), " ms), and this collective's callbacks "
-      "run after them; a callback that waits for a later collective's future waits for ever: "
-      "wait for its Work (work.wait()) instead")));
+std::exception_ptr DeliveryOrder::late() {
+  auto error = std::make_exception_ptr(C10_BUILD_ERROR(
+      DistBackendError,
+      c10::str("torus: the callbacks of an earlier collective of this group ran longer than the "
+               "timeout (", timeout_.count(), " ms) while this collective waited for them (its "
+               "callbacks run after theirs, in the order the collectives were issued); a "
+               "callback that waits for a later collective's future waits for ever: wait for "
+               "its Work (work.wait()) instead")));
+  failure_->record(error);
+  return failure_->first();
 }
 
 }  // namespace torch_bigbatch::torus

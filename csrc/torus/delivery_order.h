@@ -6,11 +6,14 @@
 // mismatch that aborted the process under PowerSGD with several buckets).
 #pragma once
 
+#include "torus/backend_failure.h"
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -22,8 +25,10 @@ class DeliveryOrder {
   using Clock = std::chrono::steady_clock;
 
   // `timeout`: the process group's; how long the callbacks of the Work whose turn it is may
-  // run before the Works after it end anyway, with late()'s error.
-  explicit DeliveryOrder(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  // run before the Works after it end anyway, with late()'s error, which is the backend's
+  // failure (`failure`): a rank whose Work ended so would pair its next calls with other ones.
+  DeliveryOrder(std::chrono::milliseconds timeout, std::shared_ptr<BackendFailure> failure)
+      : timeout_(timeout), failure_(std::move(failure)) {}
 
   // The Work's place in the order, or none for a Work issued while this thread delivers
   // another (a callback's own collective): it ends as soon as it can, since the callback that
@@ -40,10 +45,10 @@ class DeliveryOrder {
   void delivering(uint64_t ticket);
   // The ticket's delivery has ended (or will never happen: a Work dropped unsettled).
   void done(uint64_t ticket);
-  // The error of a Work whose turn did not come (wait_turn_unless_late): an earlier Work's
-  // callback has not returned (one that waits for this Work's future, say, which only this
-  // Work's delivery completes: a permanent hang otherwise).
-  std::exception_ptr late() const;
+  // The error of a Work whose turn did not come (wait_turn_unless_late), recorded as the
+  // backend's failure: an earlier Work's callback has not returned (one that waits for this
+  // Work's future, say, which only this Work's delivery completes: a permanent hang otherwise).
+  std::exception_ptr late();
 
   // Set on a thread while it delivers a Work (runs its future's callbacks).
   class Delivering {
@@ -57,6 +62,7 @@ class DeliveryOrder {
 
  private:
   const std::chrono::milliseconds timeout_;
+  const std::shared_ptr<BackendFailure> failure_;
   std::mutex mutex_;
   std::condition_variable turn_;
   uint64_t issued_ = 0, next_ = 0;

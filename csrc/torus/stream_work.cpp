@@ -52,7 +52,10 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
   std::exception_ptr error;
   if (timeout != kNoTimeout) {
     const auto until = Clock::now() + timeout;
-    if (!wait_until_ended(until)) fail(timed_out(timeout));  // unless the watcher just settled it
+    if (!wait_until_ended(until)) {
+      fail(timed_out(timeout));
+      wait_until_ended(std::nullopt);  // the watcher's end(), if it settled the work first
+    }
     if (!delivered_by(until)) {  // its turn has not come: its failure is known all the same
       error = settled_error();
       TORCH_CHECK(error, "Operation timed out!");

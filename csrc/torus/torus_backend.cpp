@@ -95,9 +95,9 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
   }
   TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
               "torus: the host pipeline needs a second column group when Y > 2, and only then");
-  host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, host_order_);
+  host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, delivery_order_);
   if (cuda_)
-    stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, device_order_);
+    stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -258,7 +258,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
   }
   c10::intrusive_ptr<c10d::Work> work =
       engine_allreduce(*engines.whole, reduced, engine_op(finish_op), op_type);
-  auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors, host_order_);
+  auto finished = c10::make_intrusive<TorusWork>(getRank(), op_type, tensors, delivery_order_);
   work->getFuture()->addCallback([finished, reduced, op = finish_op, size = getSize(),
                                   message = whole_group_failure("allreduce"),
                                   failure = failure_](c10::ivalue::Future& done) mutable {

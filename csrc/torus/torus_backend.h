@@ -133,11 +133,10 @@ class TorusBackend : public c10d::Backend {
   std::optional<Engines> cpu_, cuda_;
   // The first failure of any allreduce: the tuner and both pipelines record it and refuse after.
   const std::shared_ptr<BackendFailure> failure_ = std::make_shared<BackendFailure>();
-  // The order in which its Works end: the order they were issued in (delivery_order.h), one for
-  // CPU tensors and one for the device's: a CPU call's end must not wait for the GPU to catch
-  // up with the device calls issued before it.
-  const std::shared_ptr<DeliveryOrder> host_order_ = std::make_shared<DeliveryOrder>(timeout_);
-  const std::shared_ptr<DeliveryOrder> device_order_ = std::make_shared<DeliveryOrder>(timeout_);
+  // The order in which its Works end: the order they were issued in (delivery_order.h), CPU and
+  // CUDA calls alike (callbacks of either may issue collectives on this group).
+  const std::shared_ptr<DeliveryOrder> delivery_order_ =
+      std::make_shared<DeliveryOrder>(timeout_, failure_);
   AlgorithmTuner tuner_;
   // Shared with the calls in flight: shutdown() drops them while another thread may be in an
   // allreduce (a DDP hook's), which keeps its pipeline until it returns.
