@@ -561,17 +561,22 @@ def callback_that_waits_for_a_later_call(rank, world_size, port, how):
     chained = first.get_future().then(callback)
     start = time.monotonic()
     try:
-        return chained.wait(), time.monotonic() - start
+        return chained.wait(), time.monotonic() - start, None
     except RuntimeError as error:
-        return str(error), time.monotonic() - start
+        message, seconds = str(error), time.monotonic() - start
+    try:  # the next call on this rank
+        dist.all_reduce(torch.ones(10), group=group)
+        return message, seconds, "returned"
+    except RuntimeError as error:
+        return message, seconds, str(error)
 
 
 @pytest.mark.slow
 def test_a_callback_may_wait_for_the_work_of_a_later_call():
     """It once waited for ever: the thread that took the later call waited for the first
     call's callbacks to return, and the callback for that thread."""
-    for value, seconds in run_ranks(callback_that_waits_for_a_later_call, 2, "work",
-                                    deadline=60):
+    for value, seconds, _ in run_ranks(callback_that_waits_for_a_later_call, 2, "work",
+                                       deadline=60):
         assert value == 3.0 and seconds < LATE_TIMEOUT, (value, seconds)
 
 
@@ -580,10 +585,13 @@ def test_a_callback_that_waits_for_a_later_calls_future_fails_at_the_timeout():
     """Only the later call's end (in its turn, after the callback) completes its future: the
     later call ends with an error, the backend's failure, once the callback has run for the
     timeout, not never."""
-    for message, seconds in run_ranks(callback_that_waits_for_a_later_call, 2, "future",
-                                      deadline=60):
+    for message, seconds, next_call in run_ranks(callback_that_waits_for_a_later_call, 2,
+                                                 "future", deadline=60):
         assert "ran longer than the timeout" in message, message
         assert LATE_TIMEOUT - 1 < seconds < LATE_TIMEOUT + 5, seconds
+        # Recorded as the backend's failure: a later call is refused, not paired wrongly.
+        assert next_call.startswith("torus backend is unusable after an earlier failure"), \
+            next_call
 
 
 def wait_with_a_timeout_behind_a_slow_callback(rank, world_size, port):
