@@ -3,6 +3,7 @@
 
 #include "torus/torus_python.h"
 
+#include "torus/host_pipeline.h"
 #include "torus/thread_activity.h"
 #include "torus/torus_backend.h"
 
@@ -92,6 +93,8 @@ py::list algorithm_table(const TorusBackend& self) {
 
 void bind_torus(py::module& m) {
   py::module::import("torch.distributed");  // registers the Backend base class
+  // Read by TorusOptions, which refuses a larger one-shot row before any group is built.
+  m.attr("torus_one_shot_max_bytes") = kOneShotBytes;
 
   m.def(
       "torus_threads_wait_until_idle",

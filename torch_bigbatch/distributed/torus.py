@@ -194,6 +194,12 @@ def _pinned_rows(table):
                 f"int segment_bytes, or one_shot true on cpu), max_bytes a power of two (a size "
                 f"class: min_bytes, if given, max_bytes / 2 + 1), one_shot true or false; got "
                 f"{row!r}")
+        if one_shot and max_bytes > _C.torus_one_shot_max_bytes:
+            # Refused here, not by the backend: that is after the groups are built, and a rank
+            # 0 that hosts the store could leave while the others still build theirs.
+            raise ValueError(f"{where}: the one-shot torus runs buffers of up to "
+                             f"{_C.torus_one_shot_max_bytes} bytes, got it pinned for "
+                             f"{device} allreduces of up to {max_bytes} bytes: {row!r}")
         if shape is not None:
             shape = "x".join(map(str, parse_shape(shape)))
         for earlier in pinned:  # rows that would pin one group's class twice
