@@ -594,6 +594,41 @@ def test_a_callback_that_waits_for_a_later_calls_future_fails_at_the_timeout():
             next_call
 
 
+def callback_that_waits_for_another_groups_later_call(rank, world_size, port):
+    """A callback of group A's call waits for group B's second call while B's first call's
+    callback still runs: the order of what each call's callbacks saw and did."""
+    group_a = init_with_group(rank, world_size, port, TorusOptions(table=FLAT_LARGE_TORUS_SMALL),
+                              60)
+    group_b = dist.new_group(backend="torus", pg_options=TorusOptions(table=FLAT_LARGE_TORUS_SMALL),
+                             timeout=datetime.timedelta(seconds=60))
+    events = []
+    first_b = dist.all_reduce(torch.ones(4 << 20), async_op=True, group=group_b)
+    first_a = dist.all_reduce(torch.ones(4 << 20), async_op=True, group=group_a)
+    second_b = dist.all_reduce(torch.ones(1000), async_op=True, group=group_b)
+
+    def slow(future):
+        time.sleep(1.0)
+        events.append("first B's callback returned")
+
+    def waits(future):
+        second_b.wait()
+        events.append("second B waited for")
+
+    chained = [first_b.get_future().then(slow), first_a.get_future().then(waits)]
+    for future in chained:
+        future.wait()
+    return events
+
+
+@pytest.mark.slow
+def test_a_callback_of_one_group_waits_for_another_groups_call_in_its_turn():
+    """A thread that delivered group A's call once delivered every Work it waited for out of
+    turn, group B's too: B's second call's callbacks then ran beside its first call's, and
+    collectives they issue could reach B in another order on each rank."""
+    for events in run_ranks(callback_that_waits_for_another_groups_later_call, 2, deadline=60):
+        assert events == ["first B's callback returned", "second B waited for"], events
+
+
 def wait_with_a_timeout_behind_a_slow_callback(rank, world_size, port):
     group = init_with_group(rank, world_size, port, TorusOptions(table=FLAT_LARGE_TORUS_SMALL),
                             LATE_TIMEOUT)

@@ -3,33 +3,43 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace torch_bigbatch::torus {
 
 namespace {
-thread_local bool delivering_here = false;  // this thread delivers a Work
+// The orders whose Works this thread delivers, innermost last (a callback may deliver a Work
+// of another backend, waiting for it).
+thread_local std::vector<const DeliveryOrder*> delivering_orders;
 }  // namespace
 
-DeliveryOrder::Delivering::Delivering() : outer_(!delivering_here) { delivering_here = true; }
+DeliveryOrder::Delivering::Delivering(const DeliveryOrder* order) {
+  delivering_orders.push_back(order);
+}
 
-DeliveryOrder::Delivering::~Delivering() {
-  if (outer_) delivering_here = false;
+DeliveryOrder::Delivering::~Delivering() { delivering_orders.pop_back(); }
+
+bool DeliveryOrder::delivering_here() const {
+  return std::find(delivering_orders.begin(), delivering_orders.end(), this) !=
+         delivering_orders.end();
 }
 
 std::optional<uint64_t> DeliveryOrder::ticket() {
-  if (delivering_here) return std::nullopt;
+  if (delivering_here()) return std::nullopt;
   std::lock_guard<std::mutex> lock(mutex_);
   return issued_++;
 }
 
 bool DeliveryOrder::wait_turn(uint64_t ticket, Clock::time_point until) {
-  if (delivering_here) return true;
+  if (delivering_here()) return true;
   std::unique_lock<std::mutex> lock(mutex_);
   // `>`: the ticket was delivered out of turn (done() passes over it).
   return turn_.wait_until(lock, until, [&] { return next_ >= ticket; });
 }
 
 bool DeliveryOrder::wait_turn_unless_late(uint64_t ticket) {
-  if (delivering_here) return true;
+  if (delivering_here()) return true;
   std::unique_lock<std::mutex> lock(mutex_);
   while (next_ < ticket) {
     const auto head = delivering_since_.find(next_);

@@ -31,12 +31,12 @@ class DeliveryOrder {
       : timeout_(timeout), failure_(std::move(failure)) {}
 
   // The Work's place in the order, or none for a Work issued while this thread delivers
-  // another (a callback's own collective): it ends as soon as it can, since the callback that
-  // issued it may wait for it.
+  // another of this order (a callback's own collective): it ends as soon as it can, since the
+  // callback that issued it may wait for it.
   std::optional<uint64_t> ticket();
   // Blocks until every earlier ticket is done (true), or until `until` (false). Returns true at
-  // once on a thread that delivers a Work already: a callback that waits for a later Work
-  // delivers it itself, out of turn, or it would wait for itself.
+  // once on a thread that delivers a Work of this order already: a callback that waits for a
+  // later Work delivers it itself, out of turn, or it would wait for itself.
   bool wait_turn(uint64_t ticket, Clock::time_point until);
   // The same without a limit of the caller's: false once the Work whose turn it is has run its
   // callbacks for the timeout (a collective still running ends by its own timeout).
@@ -50,17 +50,18 @@ class DeliveryOrder {
   // Work's future, say, which only this Work's delivery completes: a permanent hang otherwise).
   std::exception_ptr late();
 
-  // Set on a thread while it delivers a Work (runs its future's callbacks).
+  // Marks a thread, while it delivers a Work of `order` (runs its future's callbacks), as
+  // delivering that order's Works: another backend's Works, issued or waited for there, keep
+  // their places in their own order (their callbacks may issue collectives too).
   class Delivering {
    public:
-    Delivering();
+    explicit Delivering(const DeliveryOrder* order);
     ~Delivering();
-
-   private:
-    bool outer_;
   };
 
  private:
+  bool delivering_here() const;  // this thread delivers a Work of this order
+
   const std::chrono::milliseconds timeout_;
   const std::shared_ptr<BackendFailure> failure_;
   std::mutex mutex_;

@@ -86,7 +86,8 @@ bool TorusWork::deliver_by(Clock::time_point until) {
 void TorusWork::deliver_now(const std::exception_ptr& late) {
   if (delivered_.exchange(true)) return;
   if (ticket_) order_->delivering(*ticket_);
-  const DeliveryOrder::Delivering delivering;  // collectives its callbacks issue are not queued
+  // Collectives its callbacks issue on this backend are not queued behind it.
+  const DeliveryOrder::Delivering delivering(order_.get());
   std::exception_ptr error = settled_error();
   if (!error) error = late;
   std::optional<c10::StreamGuard> on_completion;
