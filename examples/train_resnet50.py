@@ -510,11 +510,37 @@ def images_left(iterations, schedule, epoch, steps_done):
 
 
 def save_checkpoint(path, state):
-    """Written to a temporary file, then renamed: a crash never leaves half a checkpoint."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Written to a temporary file, on the disk before it is renamed (and the rename after):
+    neither a crash nor a power loss leaves half a checkpoint where the last whole one was."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.tmp"
-    torch.save(state, temporary)
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(temporary, path)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def check_same_start(start, device):
+    """Every rank continues from the same (epoch, step): ranks that read different checkpoints
+    (an --output that not every node shares) would train different steps, then hang or
+    diverge. One MAX allreduce of (-place, place), a place being epoch * 2**32 + step, gives
+    the earliest and the latest."""
+    place = start[0] * 2**32 + start[1]
+    both = torch.tensor([-place, place], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    earliest, latest = (divmod(value, 2**32) for value in (-both[0].item(), both[1].item()))
+    if earliest != latest:
+        raise RuntimeError(
+            f"the ranks start at different points, from epoch {earliest[0] + 1} step "
+            f"{earliest[1]} to epoch {latest[0] + 1} step {latest[1]}: each rank resumes from "
+            "the checkpoint in its own --output; put --output on storage every node shares")
 
 
 def write_metrics(output, rows):
@@ -603,6 +629,7 @@ def main(args):
     dist.init_process_group(args.backend, store=store, rank=setup.rank,
                             world_size=setup.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout))
+    check_same_start((span.start_epoch, span.start_step), device)
     torch.manual_seed(args.seed)
 
     model = build_model(setup.model_name, setup.classes, setup.channels, recipe).to(device)

@@ -1,12 +1,16 @@
 """Parts of examples/train_resnet50.py, in this process: where a run starts and stops (RunSpan),
-and the one data loader of in-memory tensors and of datasets of single samples."""
+and the one data loader of in-memory tensors and of datasets of single samples; in real
+processes, that every rank starts at the same point."""
 
+import datetime
 import os
 from types import SimpleNamespace
 
 import numpy
 import pytest
 import torch
+import torch.distributed as dist
+from multiprocess import run_ranks
 from train_job import import_script
 
 from torch_bigbatch.schedules import DistributedBatchSampler
@@ -24,6 +28,28 @@ def test_a_run_starts_where_its_checkpoint_stopped():
     epoch_end = train.RunSpan([4, 4, 4], epoch=0, step=4)  # the next epoch's start
     assert list(epoch_end.epochs()) == [1, 2] and epoch_end.first_step(1) == 0
     assert not epoch_end.finished and train.RunSpan([4, 4, 4], epoch=2, step=4).finished
+
+
+def start_at(rank, world_size, port, starts):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        train.check_same_start(starts[rank], torch.device("cpu"))
+        return None
+    except RuntimeError as error:
+        return str(error)
+
+
+@pytest.mark.slow
+def test_ranks_that_would_start_at_different_points_all_stop():
+    """Each rank reads the checkpoint in its --output: one that is not shared by every node
+    lets ranks resume from different steps (they then hang or diverge)."""
+    assert run_ranks(start_at, 2, [(1, 5), (1, 5)], deadline=60) == [None, None]
+    # Each pair apart is a real start: (0, 7) to (1, 5), not (0, 5) to (1, 7).
+    for message in run_ranks(start_at, 2, [(1, 5), (0, 7)], deadline=60):
+        assert message == ("the ranks start at different points, from epoch 1 step 7 to epoch "
+                           "2 step 5: each rank resumes from the checkpoint in its own "
+                           "--output; put --output on storage every node shares"), message
 
 
 def test_a_run_stops_after_its_steps_or_epochs():
