@@ -523,6 +523,8 @@ def save_checkpoint(path, state):
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError:  # some file systems (FUSE, network ones) refuse it for a folder: the
+        pass  # checkpoint is whole; only the rename's durability is then theirs to keep
     finally:
         os.close(descriptor)
 

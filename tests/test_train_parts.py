@@ -3,7 +3,9 @@ and the one data loader of in-memory tensors and of datasets of single samples; 
 processes, that every rank starts at the same point."""
 
 import datetime
+import errno
 import os
+import stat
 from types import SimpleNamespace
 
 import numpy
@@ -50,6 +52,23 @@ def test_ranks_that_would_start_at_different_points_all_stop():
         assert message == ("the ranks start at different points, from epoch 1 step 7 to epoch "
                            "2 step 5: each rank resumes from the checkpoint in its own "
                            "--output; put --output on storage every node shares"), message
+
+
+def test_a_checkpoint_is_saved_where_the_folder_cannot_be_synced(tmp_path, monkeypatch):
+    """Some file systems refuse fsync on a folder (EINVAL): the checkpoint is whole all the
+    same, and training must not end on it."""
+    synced = os.fsync
+
+    def fsync(descriptor):
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        synced(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "run" / "checkpoint.pt"
+    train.save_checkpoint(str(path), {"step": torch.tensor([3, 4])})
+    assert torch.load(path, weights_only=True)["step"].tolist() == [3, 4]
+    assert os.listdir(path.parent) == ["checkpoint.pt"]  # no temporary file left
 
 
 def test_a_run_stops_after_its_steps_or_epochs():
