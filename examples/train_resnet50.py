@@ -611,12 +611,6 @@ def main(args):
     except ValueError as error:  # one message, from rank 0, before any process group
         get_args_parser().error(str(error))
     recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
-    if span.finished:
-        if setup.rank == 0:
-            print(f"{setup.checkpoint} holds a finished run: nothing to resume (metrics in "
-                  f"{args.output})", flush=True)
-        return
-
     if args.use_deterministic_algorithms:
         # cuBLAS is deterministic only with a fixed workspace, set before its first call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -631,7 +625,16 @@ def main(args):
     dist.init_process_group(args.backend, store=store, rank=setup.rank,
                             world_size=setup.world_size,
                             timeout=datetime.timedelta(seconds=args.timeout))
+    # A finished run ends only after the ranks compared where they start: a rank that ended
+    # before the rendezvous left the others waiting in it for the whole timeout.
     check_same_start((span.start_epoch, span.start_step), device)
+    if span.finished:
+        if setup.rank == 0:
+            print(f"{setup.checkpoint} holds a finished run: nothing to resume (metrics in "
+                  f"{args.output})", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     torch.manual_seed(args.seed)
 
     model = build_model(setup.model_name, setup.classes, setup.channels, recipe).to(device)

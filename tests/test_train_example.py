@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import process_environment
+from multiprocess import free_port
 from train_job import SCRIPT, TINY, run_single, torchrun
 
 pytestmark = pytest.mark.slow  # every test here trains, or starts the script in processes
@@ -188,3 +189,27 @@ def test_resuming_a_finished_run(tmp_path):
     assert first.returncode == other.returncode == 2
     assert "was written with world size 1; this run has world size 2" in first.stderr
     assert other.stderr == ""
+
+
+def test_a_restart_where_only_rank_0_finds_the_finished_run_stops_every_rank(tmp_path):
+    """A torchrun restart on nodes that share no --output: rank 0 finds the finished run, rank 1
+    no checkpoint. Rank 0 ended at once and rank 1 waited in the rendezvous for the whole
+    --timeout; now both stop at once, naming the cause."""
+    finished, empty = str(tmp_path / "finished"), str(tmp_path / "empty")
+    args = [*TINY, "--epochs", "1", "--timeout", "60"]
+    torchrun([*args, "--output", finished])
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "TORCHELASTIC_RESTART_COUNT": "1"}
+    ranks = [subprocess.Popen([sys.executable, SCRIPT, *args, "--output", output],
+                              env=process_environment(RANK=str(rank), **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, output in enumerate((finished, empty))]
+    try:
+        results = [rank.communicate(timeout=45) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (stdout, stderr) in zip(ranks, results):
+        assert rank.returncode != 0, stdout
+        assert "the ranks start at different points, from epoch 1 step 0 to epoch 2 step 0" \
+            in stderr, stderr[-3000:]
