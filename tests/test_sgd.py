@@ -123,6 +123,30 @@ def test_uncorrected_goyal_form_remembers_each_groups_own_previous_lr():
     assert_relative_close(ours[1].detach(), skipping[0], 1e-6, "group without a step")
 
 
+
+def test_uncorrected_goyal_form_keeps_the_previous_lr_of_a_step_that_raised():
+    """A step that raises (a parameter the kernel refuses) leaves the group's previous LR as it
+    was: the retried step rescales the velocity from the LR of the last step that ran."""
+    start, grads, lrs = torch.ones(3), [torch.full((3,), 0.5), torch.full((3,), 2.0)], [0.1, 0.4]
+    weight = start.clone().requires_grad_()
+    optimizer = bb.optim.SGD([weight], lr=lrs[0], momentum=0.9, momentum_form="goyal",
+                             lr_correction=False)
+    weight.grad = grads[0].clone()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.05
+    bad = torch.zeros(4, 8)[:, ::2].requires_grad_()
+    bad.grad = torch.ones(4, 4)
+    optimizer.param_groups[0]["params"].append(bad)
+    optimizer.state[bad]["momentum_buffer"] = torch.zeros(4, 4)  # in weight's launch
+    with pytest.raises(RuntimeError, match="must be dense"):
+        optimizer.step()
+    optimizer.param_groups[0]["params"].pop()
+    optimizer.param_groups[0]["lr"] = lrs[1]
+    weight.grad = grads[1].clone()
+    optimizer.step()
+    expected = velocity_sgd([start], lrs, [[g] for g in grads], 0.9, 0.0, False)
+    assert_relative_close(weight.detach(), expected[0], 1e-6, "after the retried step")
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_goyal_correction_matters_only_when_lr_changes(device):
     params = make_params(device)
@@ -421,3 +445,40 @@ def test_param_groups_find_biases_by_name():
         "1.bias_ih_l0"]
     assert all("weight" in names[id(p)] for p in decay["params"])
 
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, bb.optim.SGD, bb.optim.LARS])
+def test_a_backward_through_a_parameter_the_step_changed_raises(optimizer_class):
+    """A step changes the parameters and buffers in place as torch's in-place ops do, version
+    counter included: a backward through a graph that saved a parameter before the step raises,
+    as with torch.optim.SGD, instead of using the updated values."""
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * weight * torch.arange(3.0)).sum()
+    loss.backward(retain_graph=True)
+    optimizer = optimizer_class([weight], lr=0.1, momentum=0.9)
+    optimizer.step()
+    optimizer.step()  # the buffers now exist: a later step changes them in place too
+    assert weight._version > 0
+    buffer = optimizer.state[weight]["momentum_buffer"]
+    version = buffer._version
+    optimizer.step()
+    assert buffer._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_step_on_inference_tensors_outside_inference_mode_raises_with_nothing_changed():
+    """Refused as torch.optim.SGD refuses it, but before any update (torch's in-place ops
+    update, then raise)."""
+    def inference_parameter():
+        with torch.inference_mode():
+            weight = torch.ones(3)
+            weight.grad = torch.ones(3)
+        return weight
+
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        torch.optim.SGD([inference_parameter()], lr=0.1).step()
+    weight = inference_parameter()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        bb.optim.SGD([weight], lr=0.1).step()
+    assert torch.equal(weight, torch.ones(3))

@@ -118,6 +118,11 @@ void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList momen
     step.tensors.push_back({p.data_ptr(), grad.data_ptr(), buffer, p.numel(),
                             static_cast<int>(group_of_tensor[i])});
   }
+  // As torch's in-place ops do (its ADInplaceOrView kernels): a backward through a tensor saved
+  // before this step then raises instead of using the updated values. Before the launch: a
+  // tensor that may not be updated in place (an inference tensor) fails with nothing changed.
+  for (const at::TensorList tensors : {params, momentum_buffers})
+    for (const at::Tensor& tensor : tensors) tensor.unsafeGetTensorImpl()->bump_version();
   SgdLaunchers::get(device.type(), "torch_bigbatch::sgd_step_")(step, params);
   for (auto& [buffer, copy] : write_back) buffer.copy_(copy);
 }

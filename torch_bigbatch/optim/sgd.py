@@ -58,7 +58,6 @@ def _momentum_scale(group):
     if not _uncorrected_goyal(group):
         return 1.0
     lr, previous = float(group["lr"]), group.get("prev_lr")
-    group["prev_lr"] = lr
     # A step at lr 0 has no velocity to rescale; keep the buffer as it is.
     return previous / lr if previous is not None and lr > 0 else 1.0
 
@@ -228,6 +227,10 @@ class _FusedSGD(Optimizer):
                 for p, buffer in zip(launch.params, launch.buffers):
                     self.state[p]["momentum_buffer"] = buffer
             self._track_pending(launch, device_found_inf)
+        for index in stepped:  # once every launch ran: a step that raises leaves it as it was
+            group = self.param_groups[index]
+            if _uncorrected_goyal(group):
+                group["prev_lr"] = float(group["lr"])
         return loss
 
     def state_dict(self):
