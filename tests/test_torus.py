@@ -1261,7 +1261,10 @@ def test_a_bad_table_is_refused(tmp_path):
                 {"max_bytes": 1 << 20, "min_bytes": 0},  # pinned the top class only
                 {"max_bytes": 0}, {"max_bytes": 4096.9}, {"max_bytes": "4096"},
                 {"max_bytes": True}, {"segment_bytes": -5}, {"algorithm": "torus",
-                                                              "segment_bytes": 1.5}):
+                                                              "segment_bytes": 1.5},
+                # past the C++ side's int64 and its largest class: refused only after the
+                # groups were built, where a rank could leave the others behind
+                {"max_bytes": 1 << 63}, {"algorithm": "torus", "segment_bytes": 1 << 64}):
         with pytest.raises(ValueError, match="max_bytes a power of two"):
             TorusOptions(table=[{**row, **bad}])
     with pytest.raises(ValueError, match="pins cpu allreduces of up to 4096 bytes twice"):
@@ -1286,8 +1289,24 @@ def test_options_refused_where_they_would_be_ignored_or_fail_late(monkeypatch):
         TorusOptions(torus_max_bytes=1e6)  # failed in init_process_group, after the groups
     with pytest.raises(ValueError, match="segment_bytes must be a positive int"):
         TorusOptions(segment_bytes=1.5e6)
-    with pytest.raises(ValueError, match="a torus shape is"):
-        TorusOptions(shape="2x")
+    for too_large in ({"segment_bytes": 1 << 63}, {"torus_max_bytes": 1 << 63}):
+        with pytest.raises(ValueError, match="must be a.* int64"):
+            TorusOptions(**too_large)
+    # Floats and bools were truncated ((2.5, 2) ran as 2x2), others raised unpacking errors.
+    for shape in ("2x", (2.5, 2), (True, 4), (2, 2, 1), 4, ("2", "2")):
+        with pytest.raises(ValueError, match="a torus shape is"):
+            TorusOptions(shape=shape)
+
+
+def test_the_environments_table_is_for_groups_that_measure(monkeypatch, tmp_path):
+    """TORCH_BIGBATCH_TORUS_TABLE pins what "auto" would measure: a group with a fixed
+    algorithm or torus_max_bytes neither reads it nor is refused for it (all three were
+    refused, so a job-wide table forbade a flat subgroup)."""
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS_TABLE", str(tmp_path / "missing.json"))
+    for options in ({"algorithm": "flat"}, {"algorithm": "torus"}, {"torus_max_bytes": 0}):
+        assert TorusOptions(**options)._pinned is None
+    with pytest.raises(ValueError, match="cannot be read as JSON"):
+        TorusOptions()
 
 
 def tables_of_another_shape(rank, world_size, port, path):
@@ -1305,6 +1324,27 @@ def tables_of_another_shape(rank, world_size, port, path):
     group = dist.new_group(backend="torus")
     dist.barrier()  # rank 0, which hosts the store, leaves only once every rank's groups are
     return refused, torus_algorithm(4000, group)
+
+
+def a_table_only_rank_0_refuses(rank, world_size, port):
+    init(rank, world_size, port, seconds=DISAGREEMENT_TIMEOUT)
+    rows = [{"device": "cpu", "max_bytes": 4096, "algorithm": "flat", "shape": "2x2"}]
+    began = time.monotonic()
+    try:
+        dist.new_group(backend="torus", pg_options=TorusOptions(table=rows if rank == 0 else None))
+    except ValueError as error:
+        return str(error), time.monotonic() - began
+
+
+@pytest.mark.slow
+def test_a_table_refused_on_one_rank_stops_every_rank_at_once():
+    """Rank 0 refused the table before the ranks compared their settings: rank 1 then saw a
+    lost connection, or, with the ranks' roles swapped, waited out the store's timeout."""
+    (refused, refused_after), (other, other_after) = run_ranks(
+        a_table_only_rank_0_refuses, 2, deadline=2 * DISAGREEMENT_TIMEOUT)
+    assert "the pinned table was measured in a 2x2 torus; this group is 1x2" in refused
+    assert "disagree on its settings" in other and "table=refused" in other, other
+    assert max(refused_after, other_after) < DISAGREEMENT_TIMEOUT / 6
 
 
 @pytest.mark.slow

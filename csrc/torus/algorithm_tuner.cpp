@@ -114,7 +114,7 @@ std::string Choice::describe() const {
 
 int size_class_of(int64_t bytes) {
   int k = 0;
-  while (k < 62 && (int64_t(1) << k) < bytes) ++k;
+  while (k < kMaxSizeClass && (int64_t(1) << k) < bytes) ++k;
   return k;
 }
 
@@ -133,8 +133,9 @@ AlgorithmTuner::AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, De
       failure_(std::move(failure)) {
   TORCH_CHECK(calls_per_candidate_ >= 2, "torus: the tuner needs a warm-up call and a timed one");
   for (const auto& entry : pinned) {
-    TORCH_CHECK(entry.size_class >= 0 && entry.size_class < 63,
-                "torus: a pinned size class must be in [0, 62], got ", entry.size_class);
+    TORCH_CHECK(entry.size_class >= 0 && entry.size_class <= kMaxSizeClass,
+                "torus: a pinned size class must be in [0, ", kMaxSizeClass, "], got ",
+                entry.size_class);
     TORCH_CHECK(!entry.choice.one_shot || tuning(entry.device).one_shot_max_bytes > 0,
                 "torus: the one-shot torus runs on CPU tensors only, got it pinned for ",
                 c10::DeviceTypeName(entry.device, /*lower_case=*/true));

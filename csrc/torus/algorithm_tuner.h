@@ -98,6 +98,8 @@ struct TableRow {
   std::vector<std::pair<Choice, double>> seconds;  // measured: each candidate's agreed time
 };
 
+// The largest size class: sizes up to 2^62 bytes (any buffer; 2^63 is past int64).
+constexpr int kMaxSizeClass = 62;
 int size_class_of(int64_t bytes);  // the smallest k with bytes <= 2^k
 
 // What a device's glue registers to ask whether a trial's end event has completed, from the

@@ -95,6 +95,7 @@ void bind_torus(py::module& m) {
   py::module::import("torch.distributed");  // registers the Backend base class
   // Read by TorusOptions, which refuses a larger one-shot row before any group is built.
   m.attr("torus_one_shot_max_bytes") = kOneShotBytes;
+  m.attr("torus_max_size_class") = kMaxSizeClass;
 
   m.def(
       "torus_threads_wait_until_idle",

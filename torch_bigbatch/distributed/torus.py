@@ -132,11 +132,12 @@ class TorusOptions:
             raise ValueError(f"cuda_engine must be one of {', '.join(CUDA_ENGINES)}, got "
                              f"{self.cuda_engine!r}")
         if self.segment_bytes is not None and not (is_int(self.segment_bytes)
-                                                   and self.segment_bytes > 0):
-            raise ValueError(f"segment_bytes must be a positive int, got {self.segment_bytes!r}")
+                                                   and 0 < self.segment_bytes < 2**63):
+            raise ValueError(f"segment_bytes must be a positive int64, got "
+                             f"{self.segment_bytes!r}")
         if self.torus_max_bytes is not None:
-            if not (is_int(self.torus_max_bytes) and self.torus_max_bytes >= 0):
-                raise ValueError("torus_max_bytes must be an int >= 0 or None, got "
+            if not (is_int(self.torus_max_bytes) and 0 <= self.torus_max_bytes < 2**63):
+                raise ValueError("torus_max_bytes must be an int64 >= 0 or None, got "
                                  f"{self.torus_max_bytes!r}")
             if self.algorithm != "auto":  # it would be ignored
                 where = "" if algorithm_given else f" (from {ENV_ALGORITHM})"
@@ -144,7 +145,11 @@ class TorusOptions:
                                  f"{self.algorithm!r}{where}")
         if self.shape is not None:
             parse_shape(self.shape)  # a bad shape is named here, not when a group is built
-        self._table_from_environment = self.table is None and bool(os.environ.get(ENV_TABLE))
+        # The environment's table pins what "auto" would measure: a group with a fixed
+        # algorithm or torus_max_bytes neither reads it nor is refused for it.
+        self._table_from_environment = (self.table is None and bool(os.environ.get(ENV_TABLE))
+                                        and self.algorithm == "auto"
+                                        and self.torus_max_bytes is None)
         table = os.environ.get(ENV_TABLE) if self._table_from_environment else self.table
         self._pinned = None
         if table is not None:
@@ -183,16 +188,19 @@ def _pinned_rows(table):
         # another bound would pin sizes its row does not name.
         size_class = max_bytes.bit_length() - 1 if is_int(max_bytes) and max_bytes > 0 else -1
         if device not in ("cpu", "cuda") or algorithm not in ("flat", "torus") \
-                or size_class < 0 or max_bytes != 1 << size_class \
+                or not 0 <= size_class <= _C.torus_max_size_class \
+                or max_bytes != 1 << size_class \
                 or min_bytes not in (None, 0 if size_class == 0 else max_bytes // 2 + 1) \
-                or not (segment_bytes is None or is_int(segment_bytes) and segment_bytes > 0) \
+                or not (segment_bytes is None
+                        or is_int(segment_bytes) and 0 < segment_bytes < 2**63) \
                 or not isinstance(one_shot, bool) \
                 or (algorithm == "torus" and segment_bytes is None and not one_shot) \
                 or (one_shot and device != "cpu"):
             raise ValueError(
                 f"{where}: device must be cpu or cuda, algorithm flat or torus (with a positive "
-                f"int segment_bytes, or one_shot true on cpu), max_bytes a power of two (a size "
-                f"class: min_bytes, if given, max_bytes / 2 + 1), one_shot true or false; got "
+                f"int64 segment_bytes, or one_shot true on cpu), max_bytes a power of two up "
+                f"to 2**{_C.torus_max_size_class} (a size class: min_bytes, if given, "
+                f"max_bytes / 2 + 1), one_shot true or false; got "
                 f"{row!r}")
         if one_shot and max_bytes > _C.torus_one_shot_max_bytes:
             # Refused here, not by the backend: that is after the groups are built, and a rank
@@ -234,6 +242,8 @@ def parse_shape(spec) -> tuple[int, int]:
         if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
             raise ValueError(f'a torus shape is "XxY", for example "4x2"; got {spec!r}')
         spec = tuple(int(part) for part in parts)
+    if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and all(map(is_int, spec))):
+        raise ValueError(f'a torus shape is "XxY" or a pair of ints (X, Y); got {spec!r}')
     columns, rows = spec
     if columns < 1 or rows < 1:
         raise ValueError(f"a torus shape needs positive sides, got {columns}x{rows}")
@@ -400,17 +410,22 @@ def _agree_on_shape(store, rank, size, resolve):
     return shape
 
 
-def _agree_on_settings(store, rank, size, options, pinned):
-    """Ranks whose algorithm, segments or pinned table (`pinned`: the rows this group takes)
-    differ would post different messages (one the flat allreduce, another the torus's phases;
-    segments of other lengths): they all fail at once, naming what each passed."""
+def _agree_on_settings(store, rank, size, options, pinned, refused=None):
+    """Ranks whose algorithm, segments or pinned table (`pinned`: the rows this group takes;
+    `refused`: why this rank could not take its table) differ would post different messages
+    (one the flat allreduce, another the torus's phases; segments of other lengths): they all
+    fail at once, naming what each passed."""
     table = "none"
-    if pinned:
+    if refused is not None:
+        table = "refused"
+    elif pinned:
         table = hashlib.sha1(json.dumps(pinned).encode()).hexdigest()[:12]
     spec = (f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
             f"segment_bytes={options.segment_bytes} table={table} "
             f"cuda_engine={options.cuda_engine}")
     verdict = _compare(store, rank, size, "settings", spec)
+    if refused is not None:
+        raise refused
     if verdict != "agreed":
         raise ValueError(f"the ranks of a torus group disagree on its settings ({verdict}): "
                          "pass the same TorusOptions and set TORCH_BIGBATCH_TORUS_ALGORITHM, "
@@ -433,8 +448,11 @@ def create_torus_backend(backend_options, pg_options=None):
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
     columns, rows = _agree_on_shape(store, rank, size,
                                     lambda: resolve_shape(size, options.shape, world))
-    pinned = _pinned_for(options, columns, rows)
-    _agree_on_settings(store, rank, size, options, pinned)
+    try:
+        pinned, refused = _pinned_for(options, columns, rows), None
+    except ValueError as error:  # raised after the comparison: the others learn of it too
+        pinned, refused = [], error
+    _agree_on_settings(store, rank, size, options, pinned, refused)
     binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
