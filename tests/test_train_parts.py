@@ -139,9 +139,12 @@ def test_loader_workers_per_rank_fit_the_cores(monkeypatch):
     assert [train.default_workers(ranks) for ranks in (1, 2, 8, 16, 32)] == [16, 8, 2, 1, 1]
 
 
-def test_seeded_samples_depend_on_seed_epoch_and_index_only():
+def test_seeded_samples_depend_on_seed_epoch_and_index_only(monkeypatch):
     """Each sample's random draws come from (seed, epoch, index): the same in another order,
-    another epoch's differ, and the caller's generator is left as it was."""
+    another epoch's differ, and the caller's generators are left as they were (the GPUs' were
+    reseeded at every sample)."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
     class Draws(torch.utils.data.Dataset):
         def __len__(self):
             return 4
@@ -162,6 +165,7 @@ def test_seeded_samples_depend_on_seed_epoch_and_index_only():
     samples.set_epoch(0)
     for index in (numpy.int64(3), torch.tensor(3)):  # as custom samplers yield them
         assert torch.equal(samples[index], forward[3])  # was an OverflowError
+    assert reseeded == [0]  # the test's own torch.manual_seed(0) only
 
 
 def image_folder(classes, labels):

@@ -30,6 +30,8 @@ class SeededSamples(Dataset):
     def __getitem__(self, index):
         index = operator.index(index)  # numpy and tensor indices too (their products overflow)
         seed = ((self.seed * _MIX + self.epoch) * _MIX + index) % 2**63
+        # The CPU generator alone (the transforms draw from it): torch.manual_seed would also
+        # reseed every GPU's, which fork_rng(devices=[]) does not restore.
         with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             return self.dataset[index]
