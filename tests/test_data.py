@@ -33,6 +33,10 @@ def test_read_idx(tmp_path):
         file.write(bytes([0, 0, 9, 1]) + bytes(24))
     with pytest.raises(ValueError, match="not an IDX file of unsigned bytes"):
         read_idx(path)
+    with gzip.open(path, "wb") as file:  # shorter than the header's first word: an IndexError
+        file.write(bytes([0, 0, 8]))
+    with pytest.raises(ValueError, match="not an IDX file of unsigned bytes"):
+        read_idx(path)
     with gzip.open(path, "wb") as file:  # a short file with a valid header
         file.write(header + bytes(20))
     with pytest.raises(ValueError, match="holds 36 bytes where its header says 40"):

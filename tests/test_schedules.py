@@ -31,6 +31,11 @@ def test_linear_scaling():
     assert linear_scaling(0.2, 1024, base_batch_size=512) == pytest.approx(0.4)
     with pytest.raises(ValueError, match="batch_size"):
         linear_scaling(0.1, 0)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        linear_scaling(0.1, 100.5)
+    for base_lr in (float("nan"), float("inf"), -0.1):  # nan was returned as the LR
+        with pytest.raises(ValueError, match="base_lr must be finite and non-negative"):
+            linear_scaling(base_lr, 256)
 
 
 def test_goyal_gradual_warmup_then_steps():
@@ -141,8 +146,14 @@ def test_bad_arguments():
         LargeBatchLR(optimizer(1.0), 10, 5, warmup="linear")
     with pytest.raises(ValueError, match="decay must be one of"):
         LargeBatchLR(optimizer(1.0), 10, 5, decay="exp")
-    with pytest.raises(ValueError, match="iterations_per_epoch"):
-        LargeBatchLR(optimizer(1.0), [10, 10], 5)
+    for iterations in ([10, 10], True, [1.5] * 5):  # True ran as 1 an epoch, 1.5 was taken
+        with pytest.raises(ValueError, match="iterations_per_epoch"):
+            LargeBatchLR(optimizer(1.0), iterations, 5)
+    with pytest.raises(ValueError, match="warmup_start_factor must be in \\[0, 1\\]"):
+        LargeBatchLR(optimizer(1.0), 10, 5, warmup_start_factor=5.0)  # warmed down to the peak
+    for epoch in (-1, 0.5):  # -1 gave the last epoch's batch size
+        with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+            BatchSizeSchedule({0: 256, 30: 512})(epoch)
     with pytest.raises(ValueError, match="warmup_epochs"):
         LargeBatchLR(optimizer(1.0), 10, 5, warmup_epochs=6)
     with pytest.raises(ValueError, match="epoch 0"):

@@ -30,7 +30,7 @@ def read_idx(path):
             data = file.read()
     except (OSError, EOFError) as error:  # not gzip, or cut short
         raise ValueError(f"{path} cannot be read: {error}") from error
-    if data[:3] != b"\x00\x00\x08":
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
         raise ValueError(f"{path} is not an IDX file of unsigned bytes")
     dims = data[3]
     sizes = [int.from_bytes(data[4 + 4 * d:8 + 4 * d], "big") for d in range(dims)]

@@ -30,6 +30,8 @@ class BatchSizeSchedule:
         self.sizes = [batch_sizes[epoch] for epoch in self.starts]
 
     def __call__(self, epoch):
+        if not (is_int(epoch) and epoch >= 0):  # -1 gave the last epoch's size
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         return self.sizes[bisect.bisect_right(self.starts, epoch) - 1]
 
     def lr_factor(self, epoch):

@@ -5,6 +5,7 @@ import math
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from .._checks import is_int
 from .batch_size import BatchSizeSchedule
 
 WARMUPS = ("gradual", "constant", "none")
@@ -57,7 +58,8 @@ class LargeBatchLR(LRScheduler):
                                  f"size changes ({batch_size_schedule}), got one int")
             iterations_per_epoch = [iterations_per_epoch] * epochs
         iterations_per_epoch = list(iterations_per_epoch)
-        if len(iterations_per_epoch) != epochs or min(iterations_per_epoch, default=0) <= 0:
+        if len(iterations_per_epoch) != epochs \
+                or not all(is_int(count) and count > 0 for count in iterations_per_epoch):
             raise ValueError(f"iterations_per_epoch must be a positive int or {epochs} of them "
                              f"(one per epoch), got {iterations_per_epoch}")
         if warmup != "none" and not 0 <= warmup_epochs <= epochs:
@@ -66,6 +68,8 @@ class LargeBatchLR(LRScheduler):
                             ("power", power), *(("milestones", m) for m in milestones)):
             if not value >= 0:
                 raise ValueError(f"{name} must be non-negative, got {value}")
+        if not warmup_start_factor <= 1:  # a warmup that comes down to the peak
+            raise ValueError(f"warmup_start_factor must be in [0, 1], got {warmup_start_factor}")
         self.epoch_starts = [0]  # the first iteration of every epoch, and the total
         for count in iterations_per_epoch:
             self.epoch_starts.append(self.epoch_starts[-1] + count)
