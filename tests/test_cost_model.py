@@ -232,6 +232,16 @@ def test_command_line(tmp_path, capsys):
         assert row["model_ms"] == pytest.approx(row["measured_ms"])
 
 
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--gpus", "6"], "--gpus: 6 ranks do not fill whole nodes of 4 GPUs"),  # was a traceback
+    (["--bytes", "0"], "--bytes must be positive, got 0"),  # was a ZeroDivisionError
+])
+def test_command_line_errors_are_usage_errors(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*arguments, "--plot", ""])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
 def test_python_dash_m_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "torch_bigbatch.distributed.cost_model", "--hardware",

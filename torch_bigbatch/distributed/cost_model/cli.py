@@ -86,12 +86,18 @@ def get_args_parser():
 
 
 def main(argv=None):
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.bytes <= 0:
+        parser.error(f"--bytes must be positive, got {args.bytes}")
     projections = []
     for name in args.hardware:
         hardware = PRESETS[name]
         compute_ms = args.compute_ms if args.compute_ms is not None else hardware.compute_ms
-        rows = projection(hardware, args.gpus, args.bytes, compute_ms)
+        try:
+            rows = projection(hardware, args.gpus, args.bytes, compute_ms)
+        except ValueError as error:  # GPU counts the preset's nodes cannot hold
+            parser.error(f"--gpus: {error}")
         print_projection(hardware, rows, args.bytes, compute_ms)
         projections.append((hardware, rows))
     calibration = calibrate(args.calibrate, args.cores) if args.calibrate else None
