@@ -211,6 +211,10 @@ def test_command_line(tmp_path, capsys):
         writer = csv.DictWriter(file, fieldnames=["shape", "ranks", "bytes", "backend", "ms"])
         writer.writeheader()
         writer.writerows(synthetic_rows(2e-3, 5e-10, 2))
+        # bench_allreduce's "auto" rows: whichever algorithm its trials chose, not modelled
+        # (they were modelled as the torus)
+        writer.writerow({"shape": "2x2", "ranks": 4, "bytes": 4096, "backend": "auto",
+                         "ms": 123.0})
     plot, table = tmp_path / "model.png", tmp_path / "model.csv"
     cli.main(["--gpus", "8", "64", "4096", "--calibrate", str(measured), "--cores", "2",
               "--plot", str(plot), "--csv", str(table)])
@@ -228,6 +232,7 @@ def test_command_line(tmp_path, capsys):
     assert float(rows[2]["torus_speedup_over_tree"]) == \
         pytest.approx(projected["torus_speedup_over_tree"])
     _, _, table = calibration.calibrate(measured, cores=2)
+    assert {row["backend"] for row in table} == {"gloo", "torus"}
     for row in table:  # rows made by the model: model and measurement agree
         assert row["model_ms"] == pytest.approx(row["measured_ms"])
 

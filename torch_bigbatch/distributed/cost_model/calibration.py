@@ -46,11 +46,14 @@ def read_bench_allreduce(path):
 def calibrate(path, cores=None, segment_bytes=DEFAULT_SEGMENT_BYTES):
     """Fits alpha and beta to the Gloo rows measured on a machine of `cores` cores; returns
     them and rows with model and measurement of Gloo (a ring) and of the torus (pipelined, at
-    the measured shape and the backend's default segment)."""
+    the measured shape and the backend's default segment). Rows of "auto" are left out: each
+    ran whichever its trials chose, which the CSV does not say."""
     rows = read_bench_allreduce(path)
     alpha, beta = fit_alpha_beta([row for row in rows if row["backend"] == "gloo"], cores)
     table = []
     for row in rows:
+        if row["backend"] not in ("gloo", "torus"):  # "auto": either, as its trials chose
+            continue
         ranks, nbytes = int(row["ranks"]), int(row["bytes"])
         hardware = loopback(alpha, beta, ranks, cores)
         if row["backend"] == "gloo":
