@@ -926,6 +926,32 @@ def test_integer_average_on_one_rank_is_an_error_not_an_abort():
     assert numbers == [0.0, 1.0, 2.0, 3.0, 4.0]
 
 
+def calls_gloo_refuses(rank, world_size, port):
+    """What each refused call said, then the result of a good call after them."""
+    init(rank, world_size, port)
+    messages = []
+    for call in (lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
+                 lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16))):
+        try:
+            call()
+            messages.append(None)
+        except (RuntimeError, ValueError) as error:
+            messages.append(str(error))
+    numbers = torch.ones(3)
+    dist.all_reduce(numbers)
+    return messages, numbers.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_call_refused_for_its_arguments_leaves_the_group_usable(world_size):
+    """PREMUL_SUM (and, on one rank, dtypes Gloo lacks) went to Gloo's own allreduce, whose Work
+    failed: that failure made the backend refuse every later call, as after a lost peer."""
+    for messages, numbers in run_ranks(calls_gloo_refuses, world_size):
+        assert "ReduceOp.PREMUL_SUM is not supported on CPU tensors" in messages[0], messages
+        assert "dtype UInt16 is not supported on CPU tensors" in messages[1], messages
+        assert numbers == [float(world_size)] * 3
+
 DISAGREEMENT_TIMEOUT = 60  # seconds: the ranks must fail long before it
 
 

@@ -170,13 +170,18 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   TORCH_CHECK(!captured || !engines.ordered_on_host, "torus ", collective,
               ": a CUDA graph cannot capture the Gloo CUDA engine (TorusOptions.cuda_engine "
               "'gloo', which works through host memory); capture with engine 'nccl'");
-  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured)
-    return whole_allreduce(engines, std::move(tensors), op, op_type);
+  // Refused here, before any path: Gloo refuses them through its Work, and a failed Work is
+  // the backend's failure (every later call refused), where the call never reached the wire.
   if (on_host) {
     TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,
                 " is not supported on CPU tensors (float, double, half, bfloat16, bool and "
                 "integer types are)");
+    TORCH_CHECK(op.op_ != c10d::ReduceOp::PREMUL_SUM, "torus ", collective,
+                ": ReduceOp.PREMUL_SUM is not supported on CPU tensors (Gloo has none); "
+                "multiply, then reduce with SUM");
   }
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured)
+    return whole_allreduce(engines, std::move(tensors), op, op_type);
   const AlgorithmTuner::Call call = tuner_.begin(first.device(), bytes);
   c10::intrusive_ptr<c10d::Work> work;
   try {
