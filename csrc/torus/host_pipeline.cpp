@@ -9,6 +9,8 @@
 #include <c10/util/StringUtil.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -108,6 +110,8 @@ struct Call {
   int32_t kind = 0;
   bool one_shot = false;  // one segment, in the one-shot form
   std::atomic<int64_t> segments_left{0};
+  std::vector<char> finished_segments;       // per segment, under `mutex` (see column_turn)
+  std::condition_variable segment_finished;  // notified when one is
   // What the headers told so far, over all segments: the phases of different segments check
   // them on different threads.
   std::mutex mutex;
@@ -514,6 +518,27 @@ void start(const ContextPtr& context, const SegmentPtr& segment) {
                     sends, context->row_scatter_waiter, Phase::RowScatter, after_row_scatter);
 }
 
+// A column of two across nodes: the row members' column exchanges share their node's link,
+// one TCP flow each, and those flows share it unevenly: one member's column ended while the
+// other's still had a third of its bytes to send alone, at a lower rate (2 nodes x 2 at
+// 1 Gbit/s, 16 MiB: 150 ms against the 141 ms of one flow). So a segment's column waits until
+// the segment kColumnWindow before it has finished on this rank: its row allgather needs every
+// row member's column of it, so the members' flows stay within that many segments of each
+// other and end together (docs/results.md, section 3: 145 ms in 2 MiB segments). Every wait
+// is for an earlier segment, whose phases wait for none later: no cycle, on any rank.
+constexpr int64_t kColumnWindow = 2;
+
+void wait_for_column_turn(const ContextPtr& context, Segment& segment) {
+  if (segment.index < kColumnWindow) return;
+  Call& call = *segment.call;
+  std::unique_lock<std::mutex> lock(call.mutex);
+  while (!call.finished_segments[segment.index - kColumnWindow]) {
+    // A failed call's segments never finish: the failure is the backend's, seen here.
+    if (auto failure = context->failure->first()) std::rethrow_exception(failure);
+    call.segment_finished.wait_for(lock, std::chrono::milliseconds(50));
+  }
+}
+
 // This rank's row part plus what the row members sent is the part reduced along the row, in
 // place: the result (one row), or what the column allreduces (a column of two) or
 // reduce-scatters.
@@ -535,6 +560,7 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   }
   const int y = shape.y();
   if (one_shot_column(shape)) {
+    wait_for_column_turn(context, *segment);
     return exchange_directly(context, segment, *context->engines.column,
                              std::move(segment->column_posted), {{1 - y, sum}},
                              context->column_waiter, Phase::ColumnAllreduce,
@@ -592,6 +618,11 @@ void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment
 // last phase's headers carry what the earlier ones saw): all fail together, or the call is done.
 void finish(const ContextPtr& context, const SegmentPtr& segment) {
   Call& call = *segment->call;
+  {
+    std::lock_guard<std::mutex> lock(call.mutex);
+    call.finished_segments[segment->index] = 1;
+  }
+  call.segment_finished.notify_all();
   if (--call.segments_left > 0) return;
   {
     std::lock_guard<std::mutex> lock(call.mutex);
@@ -647,6 +678,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
                          ? std::vector<std::pair<int64_t, int64_t>>{{0, call->numel}}
                          : call->buffer.segments(segment_bytes);
   call->segments_left = static_cast<int64_t>(spans.size());
+  call->finished_segments.assign(spans.size(), 0);
   for (size_t i = 0; i < spans.size(); ++i) {
     auto segment = std::make_shared<Segment>();
     segment->call = call;
