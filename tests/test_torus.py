@@ -930,8 +930,11 @@ def calls_gloo_refuses(rank, world_size, port):
     """What each refused call said, then the result of a good call after them."""
     init(rank, world_size, port)
     messages = []
+    # Complex tensors reach the backend only through the group's own allreduce (torch's
+    # all_reduce reduces them as real): Gloo reduces them, the torus's pipeline does not.
+    complex_call = lambda: dist.group.WORLD.allreduce([torch.ones(3, dtype=torch.cfloat)]).wait()
     for call in (lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0)),
-                 lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16))):
+                 lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint16)), complex_call):
         try:
             call()
             messages.append(None)
@@ -950,7 +953,36 @@ def test_a_call_refused_for_its_arguments_leaves_the_group_usable(world_size):
     for messages, numbers in run_ranks(calls_gloo_refuses, world_size):
         assert "ReduceOp.PREMUL_SUM is not supported on CPU tensors" in messages[0], messages
         assert "dtype UInt16 is not supported on CPU tensors" in messages[1], messages
+        if world_size == 1:  # Gloo's own allreduce, as before the checks moved
+            assert messages[2] is None, messages
+        else:
+            assert "dtype ComplexFloat is not supported on CPU tensors" in messages[2], messages
         assert numbers == [float(world_size)] * 3
+
+
+def calls_on_two_groups_in_opposite_orders(rank, world_size, port):
+    """Async allreduces on two 1x2 groups, issued A then B on rank 0 and B then A on rank 1."""
+    init(rank, world_size, port)
+    options = TorusOptions(shape="1x2", algorithm="torus", segment_bytes=SMALL_SEGMENTS)
+    groups = [dist.new_group(backend="torus", pg_options=options,
+                              timeout=datetime.timedelta(seconds=10))
+              for _ in range(2)]
+    tensors = [torch.full((1 << 20,), rank + 1.0), torch.full((1 << 20,), 10.0 * (rank + 1))]
+    order = [0, 1] if rank == 0 else [1, 0]
+    works = [dist.all_reduce(tensors[i], group=groups[i], async_op=True) for i in order]
+    for work in works:
+        work.wait()
+    return [(t.min().item(), t.max().item()) for t in tensors]
+
+
+@pytest.mark.slow
+def test_async_calls_on_two_groups_issued_in_opposite_orders_both_end():
+    """As on Gloo. The column window (host_pipeline.cpp) once waited on the calling thread of a
+    row of one: each rank's first call blocked its caller until its segment two before had
+    finished, which needed the other rank's first call on that group, issued after its own
+    blocked one: both failed at the timeout."""
+    for sums in run_ranks(calls_on_two_groups_in_opposite_orders, 2, deadline=60):
+        assert sums == [(3.0, 3.0), (30.0, 30.0)]
 
 DISAGREEMENT_TIMEOUT = 60  # seconds: the ranks must fail long before it
 

@@ -529,7 +529,10 @@ void start(const ContextPtr& context, const SegmentPtr& segment) {
 constexpr int64_t kColumnWindow = 2;
 
 void wait_for_column_turn(const ContextPtr& context, Segment& segment) {
-  if (segment.index < kColumnWindow) return;
+  // A row of one has no flows to even out, and there this runs on the calling thread (start()),
+  // which must not wait: an async allreduce would block its caller, and two groups' calls
+  // issued in opposite orders on two ranks waited for each other until the timeout.
+  if (context->shape.columns == 1 || segment.index < kColumnWindow) return;
   Call& call = *segment.call;
   std::unique_lock<std::mutex> lock(call.mutex);
   while (!call.finished_segments[segment.index - kColumnWindow]) {

@@ -173,9 +173,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   // Refused here, before any path: Gloo refuses them through its Work, and a failed Work is
   // the backend's failure (every later call refused), where the call never reached the wire.
   if (on_host) {
-    TORCH_CHECK(host_pipeline_supports(dtype), "torus ", collective, ": dtype ", dtype,
-                " is not supported on CPU tensors (float, double, half, bfloat16, bool and "
-                "integer types are)");
+    TORCH_CHECK(host_pipeline_supports(dtype) || (getSize() == 1 && at::isComplexType(dtype)),
+                "torus ", collective, ": dtype ", dtype, " is not supported on CPU tensors "
+                "(float, double, half, bfloat16, bool and integer types are; complex ones on "
+                "one rank, or through torch.distributed.all_reduce, which reduces them as real)");
     TORCH_CHECK(op.op_ != c10d::ReduceOp::PREMUL_SUM, "torus ", collective,
                 ": ReduceOp.PREMUL_SUM is not supported on CPU tensors (Gloo has none); "
                 "multiply, then reduce with SUM");
