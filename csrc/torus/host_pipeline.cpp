@@ -110,7 +110,7 @@ struct Call {
   int32_t kind = 0;
   bool one_shot = false;  // one segment, in the one-shot form
   std::atomic<int64_t> segments_left{0};
-  std::vector<char> finished_segments;       // per segment, under `mutex` (see column_turn)
+  std::vector<char> finished_segments;       // per segment, under `mutex` (wait_for_column_turn)
   std::condition_variable segment_finished;  // notified when one is
   // What the headers told so far, over all segments: the phases of different segments check
   // them on different threads.
