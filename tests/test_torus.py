@@ -1405,6 +1405,28 @@ def test_a_table_refused_on_one_rank_stops_every_rank_at_once():
     assert max(refused_after, other_after) < DISAGREEMENT_TIMEOUT / 6
 
 
+def an_environment_only_rank_1_refuses(rank, world_size, port, path):
+    if rank == 1:
+        os.environ["TORCH_BIGBATCH_TORUS_TABLE"] = path
+    began = time.monotonic()
+    try:
+        init(rank, world_size, port, seconds=DISAGREEMENT_TIMEOUT)
+    except ValueError as error:
+        return str(error), time.monotonic() - began
+
+
+@pytest.mark.slow
+def test_an_environment_refused_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """The default group's options come from the environment: rank 1 refused its table there
+    before the ranks compared anything, and rank 0 waited out the store's timeout."""
+    (other, other_after), (refused, refused_after) = run_ranks(
+        an_environment_only_rank_1_refuses, 2, str(tmp_path / "missing.json"),
+        deadline=2 * DISAGREEMENT_TIMEOUT)
+    assert "cannot be read as JSON" in refused, refused
+    assert "disagree on its settings" in other and "options=refused" in other, other
+    assert max(refused_after, other_after) < DISAGREEMENT_TIMEOUT / 6
+
+
 @pytest.mark.slow
 def test_a_table_holds_for_the_shape_it_was_measured_in(tmp_path):
     path = tmp_path / "table.json"

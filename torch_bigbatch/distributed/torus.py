@@ -412,15 +412,17 @@ def _agree_on_shape(store, rank, size, resolve):
 
 def _agree_on_settings(store, rank, size, options, pinned, refused=None):
     """Ranks whose algorithm, segments or pinned table (`pinned`: the rows this group takes;
-    `refused`: why this rank could not take its table) differ would post different messages
-    (one the flat allreduce, another the torus's phases; segments of other lengths): they all
-    fail at once, naming what each passed."""
+    `refused`: why this rank could not take its table, or its options from the environment,
+    `options` then None) differ would post different messages (one the flat allreduce, another
+    the torus's phases; segments of other lengths): they all fail at once, naming what each
+    passed."""
     table = "none"
     if refused is not None:
         table = "refused"
     elif pinned:
         table = hashlib.sha1(json.dumps(pinned).encode()).hexdigest()[:12]
-    spec = (f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
+    spec = ("options=refused" if options is None else
+            f"algorithm={options.algorithm} torus_max_bytes={options.torus_max_bytes} "
             f"segment_bytes={options.segment_bytes} table={table} "
             f"cuda_engine={options.cuda_engine}")
     verdict = _compare(store, rank, size, "settings", spec)
@@ -435,10 +437,18 @@ def _agree_on_settings(store, rank, size, options, pinned, refused=None):
 
 def create_torus_backend(backend_options, pg_options=None):
     """The creator torch.distributed calls for backend "torus" (extended API)."""
-    options = pg_options if pg_options is not None else TorusOptions()
-    if not isinstance(options, TorusOptions):
+    if pg_options is not None and not isinstance(pg_options, TorusOptions):
         raise TypeError(
-            f"pg_options of the torus backend must be a TorusOptions, got {type(options).__name__}")
+            f"pg_options of the torus backend must be a TorusOptions, got "
+            f"{type(pg_options).__name__}")
+    # The default options read the environment, which may be bad on one rank only: that rank's
+    # refusal is raised after the comparisons, so the others learn of it at once.
+    options, refused = pg_options, None
+    if options is None:
+        try:
+            options = TorusOptions()
+        except ValueError as error:
+            options, refused = None, error
     store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
     world = dist.get_world_size() if dist.is_initialized() else size
@@ -446,12 +456,14 @@ def create_torus_backend(backend_options, pg_options=None):
     # keys would send Gloo to dead ports, so every attempt has keys of its own.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
-    columns, rows = _agree_on_shape(store, rank, size,
-                                    lambda: resolve_shape(size, options.shape, world))
-    try:
-        pinned, refused = _pinned_for(options, columns, rows), None
-    except ValueError as error:  # raised after the comparison: the others learn of it too
-        pinned, refused = [], error
+    columns, rows = _agree_on_shape(store, rank, size, lambda: resolve_shape(
+        size, options.shape if options else None, world))
+    pinned = []
+    if options is not None:
+        try:
+            pinned = _pinned_for(options, columns, rows)
+        except ValueError as error:  # raised after the comparison: the others learn of it too
+            refused = error
     _agree_on_settings(store, rank, size, options, pinned, refused)
     binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
