@@ -15,7 +15,7 @@ Checkpoints (model, optimizer, scheduler, position, metrics) are written atomica
 every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
 as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
 go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments, data or checkpoints are refused
-with one message before any process group exists.
+with one message per node before any process group exists.
 """
 
 import argparse
@@ -57,12 +57,15 @@ def rank():
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors rank 0 alone prints: every rank refuses the same
-    arguments (exit code 2), and one message is enough."""
+    """argparse's parser whose errors the first rank of each node alone prints (exit code 2 on
+    every rank): the ranks of a node refuse alike, but a refusal may hold on one node only (its
+    data, its --output, the checkpoint there), and from a rank that stays silent no process
+    would say why the job ended. Without LOCAL_RANK (not started by torchrun) a rank is its
+    own node's first only as rank 0."""
 
     def error(self, message):
-        if rank() == 0:
-            super().error(message)
+        if int(os.environ.get("LOCAL_RANK", rank())) == 0:
+            super().error(message if rank() == 0 else f"(rank {rank()}) {message}")
         sys.exit(2)
 
 
@@ -327,7 +330,7 @@ def read_checkpoint(path, settings, iterations):
 class Setup:
     """Everything decided and checked before any process group exists: the recipe, the data,
     and where the run starts and stops. A bad argument, data set or checkpoint is a ValueError
-    here, which every rank raises alike and rank 0 alone prints."""
+    here, which each node's first rank prints (see ArgumentParser)."""
 
     def __init__(self, args):
         self.rank = rank()
@@ -608,7 +611,7 @@ def main(args):
         faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         setup = Setup(args)
-    except ValueError as error:  # one message, from rank 0, before any process group
+    except ValueError as error:  # one message per node, before any process group
         get_args_parser().error(str(error))
     recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
     if args.use_deterministic_algorithms:

@@ -178,7 +178,9 @@ def test_one_plain_process_needs_no_port(tmp_path):
 
 def test_resuming_a_finished_run(tmp_path):
     """A finished run resumed says so and ends cleanly; resumed on other ranks, it is refused
-    by rank 0 alone, before any process group (rank 0 alone would wait for rank 1 in one)."""
+    by each node's first rank alone, before any process group (rank 0 alone would wait for rank
+    1 in one). A refusal may hold on one node only: rank 1, another node's first, printed
+    nothing, and rank 0 then failed with a rendezvous timeout that named no cause."""
     args = [*TINY, "--epochs", "1", "--output", str(tmp_path / "run")]
     assert run_single(args).returncode == 0
     again = run_single([*args, "--resume"])
@@ -189,6 +191,10 @@ def test_resuming_a_finished_run(tmp_path):
     assert first.returncode == other.returncode == 2
     assert "was written with world size 1; this run has world size 2" in first.stderr
     assert other.stderr == ""
+    first_of_its_node = run_single([*args, "--resume"], rank=1, world_size=2, LOCAL_RANK="0")
+    assert first_of_its_node.returncode == 2
+    assert "error: (rank 1) --resume: " in first_of_its_node.stderr
+    assert "this run has world size 2" in first_of_its_node.stderr
 
 
 def test_a_restart_where_only_rank_0_finds_the_finished_run_stops_every_rank(tmp_path):

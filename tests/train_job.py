@@ -32,10 +32,11 @@ def torchrun(args, processes=2, timeout=180):
     return result.stdout
 
 
-def run_single(args, rank=0, world_size=1, restart_count=0):
-    """The script in one process (no torchrun), as rank `rank` of `world_size`."""
+def run_single(args, rank=0, world_size=1, restart_count=0, **variables):
+    """The script in one process (no torchrun), as rank `rank` of `world_size`, with the
+    environment `variables`."""
     env = process_environment(RANK=str(rank), WORLD_SIZE=str(world_size),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                              TORCHELASTIC_RESTART_COUNT=str(restart_count))
+                              TORCHELASTIC_RESTART_COUNT=str(restart_count), **variables)
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
                           timeout=60, env=env)
