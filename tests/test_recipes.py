@@ -55,6 +55,10 @@ def test_shortened_keeps_the_shape_of_the_schedule():
     assert short.epochs == 9 and short.warmup_epochs == pytest.approx(0.5)
     assert short.milestones == pytest.approx((3, 6, 8))
     assert mikami2018.shortened(9).batch_growth == ((3, 2),)
+    # one epoch: the growth would start at epoch 1, which never runs (a job of one epoch
+    # checked that 2x the batch split across its data: refused where 1x fit)
+    assert mikami2018.shortened(1).batch_growth == ()
+    assert mikami2018.shortened(1).batch_size_schedule(2).sizes == [64]
 
 
 def test_unknown_recipe():

@@ -45,14 +45,16 @@ class Recipe:
 
     def shortened(self, epochs):
         """The same recipe over `epochs` epochs: warmup, milestones and batch growth move in
-        proportion (goyal2017.shortened(3) warms up for 1/6 epoch, decays at 1, 2 and 2.67)."""
+        proportion (goyal2017.shortened(3) warms up for 1/6 epoch, decays at 1, 2 and 2.67); a
+        growth that would start at or after the last epoch is left out (its batch would never
+        run, yet the job checks that it splits across the ranks and the data)."""
         if epochs <= 0:
             raise ValueError(f"epochs must be positive, got {epochs}")
         ratio = epochs / self.epochs
+        growth = ((max(1, round(e * ratio)), f) for e, f in self.batch_growth)
         return self.replace(epochs=epochs, warmup_epochs=self.warmup_epochs * ratio,
                             milestones=tuple(m * ratio for m in self.milestones),
-                            batch_growth=tuple((max(1, round(e * ratio)), f)
-                                               for e, f in self.batch_growth))
+                            batch_growth=tuple((e, f) for e, f in growth if e < epochs))
 
     def batch_size_schedule(self, world_size):
         """Global batch per epoch; every size must split evenly across the ranks."""
