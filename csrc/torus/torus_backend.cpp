@@ -103,9 +103,15 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
   if (device == c10::DeviceType::CPU && cpu_) return *cpu_;
   if (device == c10::DeviceType::CUDA && cuda_) return *cuda_;
+#ifdef TORCH_BIGBATCH_WITH_CUDA
+  const char* no_cuda = "; NCCL is not available here)";
+#else
+  const char* no_cuda = "; this build of torch_bigbatch has no CUDA half: reinstall it where "
+                        "nvcc is found, without TORCH_BIGBATCH_CPU_ONLY=1)";
+#endif
   TORCH_CHECK(false, "torus ", collective, ": no engine for ", c10::DeviceTypeName(device),
               " tensors (the torus runs Gloo for CPU tensors and NCCL for CUDA tensors",
-              device == c10::DeviceType::CUDA ? "; NCCL is not available here)" : ")");
+              device == c10::DeviceType::CUDA ? no_cuda : ")");
 }
 
 std::string TorusBackend::whole_group_failure(const char* collective) const {

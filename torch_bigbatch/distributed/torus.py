@@ -469,12 +469,15 @@ def create_torus_backend(backend_options, pg_options=None):
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
     cuda = None
-    if torch.cuda.is_available() and options.cuda_engine == "gloo":
-        cuda = _engines(functools.partial(_gloo_group, binding), store, "cuda", rank, columns,
-                        rows, timeout, column_gather=False, ordered_on_host=True)
-    elif torch.cuda.is_available() and dist.is_nccl_available():
-        cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
-                        column_gather=False)
+    # A build without its CUDA half (TORCH_BIGBATCH_CPU_ONLY=1) has none of the pipelines' CUDA
+    # glue (events, capture checks): CUDA tensors are refused with a message, not half-run.
+    if _C.WITH_CUDA and torch.cuda.is_available():
+        if options.cuda_engine == "gloo":
+            cuda = _engines(functools.partial(_gloo_group, binding), store, "cuda", rank,
+                            columns, rows, timeout, column_gather=False, ordered_on_host=True)
+        elif dist.is_nccl_available():
+            cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
+                            column_gather=False)
     ranks = getattr(backend_options, "global_ranks_in_group", None) or range(size)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu", size),
                            _tuning(options, "cuda", size), pinned, timeout,
