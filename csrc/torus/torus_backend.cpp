@@ -187,7 +187,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                 ": ReduceOp.PREMUL_SUM is not supported on CPU tensors (Gloo has none); "
                 "multiply, then reduce with SUM");
   }
-  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured)
+  // Complex tensors get here on CUDA only (or on one rank): NCCL's own allreduce reduces them
+  // as real, where the pipeline's reduce-scatter would refuse them and fail the backend.
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured ||
+      at::isComplexType(dtype))
     return whole_allreduce(engines, std::move(tensors), op, op_type);
   const AlgorithmTuner::Call call = tuner_.begin(first.device(), bytes);
   c10::intrusive_ptr<c10d::Work> work;
