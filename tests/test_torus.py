@@ -821,9 +821,9 @@ def differing_calls(rank, world_size, port, shape, mine, theirs):
     """Rank 0 passes `mine` (a dtype and an element count), the others `theirs`: the sizes in
     bytes the torus exchanges are the same, so only the headers can tell."""
     init(rank, world_size, port, TorusOptions(shape=shape, algorithm="torus"), seconds=10)
-    dtype, numel = mine if rank == 0 else theirs
+    dtype, numel, *op = mine if rank == 0 else theirs
     try:
-        dist.all_reduce(torch.ones(numel, dtype=dtype))
+        dist.all_reduce(torch.ones(numel, dtype=dtype), op=getattr(dist.ReduceOp, *op or ["SUM"]))
     except RuntimeError as error:
         message = str(error)
     else:
@@ -840,7 +840,9 @@ def differing_calls(rank, world_size, port, shape, mine, theirs):
     ((torch.float32, 3), (torch.float32, 4)),  # 12 and 16 bytes: regions of 16 bytes alike
     ((torch.int32, 8), (torch.float32, 8)),  # the same bytes, another dtype
     ((torch.int32, 100_000), (torch.float32, 100_000)),  # past the two-exchange size
-], ids=["3_vs_4", "int32_vs_float32", "large_int32_vs_float32"])
+    # bool SUM is reduced as bytes with MAX: the calls were compared as that, and passed
+    ((torch.bool, 8), (torch.uint8, 8, "MAX")),
+], ids=["3_vs_4", "int32_vs_float32", "large_int32_vs_float32", "bool_sum_vs_uint8_max"])
 @pytest.mark.slow
 def test_ranks_that_pass_different_buffers_all_fail(shape, mine, theirs):
     """Where the bytes exchanged match, every rank raises, naming the difference (plain Gloo
@@ -893,6 +895,36 @@ def bool_and_integer_ops(rank, world_size, port, algorithm):
     except (RuntimeError, ValueError) as error:
         results["AVG int64"] = str(error)
     return results
+
+
+def saved_then_reduced(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm))
+    gloo = dist.new_group(backend="gloo")
+    results = []
+    for numel in (3, 300_000):  # the one-shot form and the segments
+        for group in (None, gloo):
+            a = torch.ones(numel, requires_grad=True)
+            b = a * 1.0
+            loss = (b * b).sum()  # saves b
+            version = b._version
+            dist.all_reduce(b, group=group)
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                results.append(str(error))
+            else:
+                results.append((b._version - version, a.grad[0].item()))
+    return results
+
+
+@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+def test_an_allreduce_leaves_the_version_counter_as_gloo_does(algorithm):
+    """The torus's phases wrote the result with ATen ops on an alias that shared the caller's
+    version counter: the backward of a tensor saved, then reduced, raised where Gloo's (and the
+    flat path's) runs, so under "auto" it depended on the tuner's choice."""
+    for results in run_ranks(saved_then_reduced, 2, algorithm):
+        torus_small, gloo_small, torus_large, gloo_large = results
+        assert torus_small == gloo_small and torus_large == gloo_large, results
 
 
 @pytest.mark.parametrize("algorithm", ["torus", "flat"])

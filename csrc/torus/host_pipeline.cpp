@@ -666,12 +666,14 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   auto call = std::make_shared<Call>();
   call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs, context_->order);
   call->buffer = FlatBuffer(std::move(inputs), 1);
-  // Gloo reduces no bool: its bytes, with the op the caller chose for them (the Work keeps the
-  // caller's bool tensors, as Gloo's does).
-  if (call->buffer.flat.scalar_type() == at::kBool)
-    call->buffer.flat = call->buffer.flat.view(at::kByte);
   call->numel = call->buffer.flat.numel();
-  call->kind = call_kind(call->buffer.flat.scalar_type(), op);  // the caller's op, compared
+  call->kind = call_kind(call->buffer.flat.scalar_type(), op);  // the caller's, compared
+  // Gloo reduces no bool: its bytes of 0 and 1, "any" or "all" as the caller's op says (the
+  // Work keeps the caller's bool tensors, as Gloo's does).
+  if (call->buffer.flat.scalar_type() == at::kBool) {
+    call->buffer.flat = call->buffer.flat.view(at::kByte);
+    op = bool_as_byte_op(op);
+  }
   call->op = divide_first_if_half(call->buffer.flat, op, shape.columns * shape.rows);
   // An empty call still exchanges its headers (the one-shot form, of headers alone): were it
   // to end at once, a rank passing an empty tensor where the others pass data would pair its

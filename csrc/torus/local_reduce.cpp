@@ -55,6 +55,21 @@ void reduce_in_member_order(at::Tensor& out, const at::Tensor& mine, int64_t me,
   for (int64_t k = me; k < rows.size(0); ++k) reduce_pair(out, out, rows[k], op);
 }
 
+c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::BOR:
+      return c10d::ReduceOp::MAX;
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::BAND:
+      return c10d::ReduceOp::MIN;
+    default:
+      return op;  // BXOR of 0 and 1 stays 0 or 1
+  }
+}
+
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op) {
   return op.op_ == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
 }

@@ -24,6 +24,10 @@ void reduce_into(at::Tensor& out, const at::Tensor& first, const at::Tensor& row
 void reduce_in_member_order(at::Tensor& out, const at::Tensor& mine, int64_t me,
                             const at::Tensor& rows, const c10d::ReduceOp& op);
 
+// The op on bytes of 0 and 1 that a bool op is: SUM, MAX and BOR are "any", PRODUCT, MIN and
+// BAND "all", as Gloo reduces bools.
+c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op);
+
 // The op the engines run: AVG is summed, then divided once by finish_average.
 c10d::ReduceOp engine_op(const c10d::ReduceOp& op);
 void finish_average(at::Tensor& reduced, const c10d::ReduceOp& op, int64_t group_size);

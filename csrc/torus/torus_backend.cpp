@@ -38,23 +38,6 @@ bool is_bitwise(const c10d::ReduceOp& op) {
          op.op_ == c10d::ReduceOp::BXOR;
 }
 
-// The op on bytes of 0 and 1 that a bool op is: SUM, MAX and BOR are "any", PRODUCT, MIN and
-// BAND "all", as Gloo reduces bools.
-c10d::ReduceOp bool_as_byte_op(const c10d::ReduceOp& op) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::MAX:
-    case c10d::ReduceOp::BOR:
-      return c10d::ReduceOp::MAX;
-    case c10d::ReduceOp::PRODUCT:
-    case c10d::ReduceOp::MIN:
-    case c10d::ReduceOp::BAND:
-      return c10d::ReduceOp::MIN;
-    default:
-      return op;  // BXOR of 0 and 1 stays 0 or 1
-  }
-}
-
 // The host pipeline has a one-shot form for small buffers (see kOneShotBytes); its trials, and
 // those of device engines ordered on the host, run by the host's clock.
 DeviceTuning on_host(DeviceTuning tuning) {
@@ -138,10 +121,13 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                                                              const c10d::ReduceOp& op,
                                                              c10d::OpType op_type,
                                                              const char* collective) {
-  // Detached aliases from here on (the same memory, no autograd links): engine threads may drop
-  // the last reference to what they hold, and a reference to the caller's tensor would release
-  // its Python object there, which needs the GIL: fatal while the interpreter exits.
-  for (auto& tensor : tensors) tensor = tensor.detach();
+  // Aliases from here on (the same memory, no autograd links, a version counter of their own):
+  // engine threads may drop the last reference to what they hold, and a reference to the
+  // caller's tensor would release its Python object there, which needs the GIL (fatal while
+  // the interpreter exits); and the phases write the result with ATen ops, which would bump the
+  // caller's counter where Gloo's allreduce (and the flat path) leaves it: the backward of a
+  // tensor saved, then reduced, raised or not as the tuner chose.
+  for (auto& tensor : tensors) tensor = tensor.variable_data();
   const at::Tensor& first = tensors.front();
   int64_t bytes = 0;
   for (const auto& tensor : tensors) {
@@ -181,8 +167,9 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   if (on_host) {
     TORCH_CHECK(host_pipeline_supports(dtype) || (getSize() == 1 && at::isComplexType(dtype)),
                 "torus ", collective, ": dtype ", dtype, " is not supported on CPU tensors "
-                "(float, double, half, bfloat16, bool and integer types are; complex ones on "
-                "one rank, or through torch.distributed.all_reduce, which reduces them as real)");
+                "(float, double, half, bfloat16, bool, int8, uint8, int32 and int64 are; complex "
+                "ones on one rank, or through torch.distributed.all_reduce, which reduces them "
+                "as real)");
     TORCH_CHECK(op.op_ != c10d::ReduceOp::PREMUL_SUM, "torus ", collective,
                 ": ReduceOp.PREMUL_SUM is not supported on CPU tensors (Gloo has none); "
                 "multiply, then reduce with SUM");
@@ -221,9 +208,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::
   }
   if (tensors.front().device().is_cpu()) {
     TORCH_CHECK(host, "torus ", collective, ": the backend was shut down");
-    // bool reduces as bytes of 0 and 1 (HostPipeline): any (SUM, MAX, BOR) or all (the rest).
-    return host->allreduce(std::move(tensors), dtype == at::kBool ? bool_as_byte_op(op) : op,
-                           op_type, choice.segment_bytes, choice.one_shot);
+    return host->allreduce(std::move(tensors), op, op_type, choice.segment_bytes,
+                           choice.one_shot);
   }
   TORCH_CHECK(stream, "torus ", collective, ": the backend was shut down");
   TORCH_INTERNAL_ASSERT(!choice.one_shot, "the stream pipeline has no one-shot form");
