@@ -1,6 +1,5 @@
 #include "torus/stream_work.h"
 
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -29,16 +28,6 @@ StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op
       device_work_(std::move(device_work)),
       deadline_(Clock::now() + context_->timeout) {}
 
-// The last reference may drop on a thread whose current device is another one, say a callback
-// thread that has restored GPU 0 without creating its context (MaybeSetDevice): destroying an
-// event of GPU k there switches to k and back with cudaSetDevice, which creates GPU 0's
-// context (hundreds of MB on GPU 0 for every rank of another GPU). On their own device, that
-// switch does nothing, and the guard restores the thread's device as it found it.
-StreamWork::~StreamWork() {
-  const c10::DeviceGuard on_its_device(device());
-  device_work_.reset();
-}
-
 void StreamWork::poll() {
   // Queried first: an error that ended a phase early is visible by the time the event is.
   const bool done = device_done();
@@ -56,7 +45,7 @@ void StreamWork::fail(const std::exception_ptr& error) {
 }
 
 bool StreamWork::device_done() const {
-  return device_work_->done.query();
+  return device_work_.done.query();
 }
 
 bool StreamWork::wait(std::chrono::milliseconds timeout) {
@@ -83,14 +72,14 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
 
 void StreamWork::synchronize() {
   const c10::Device device = outputs_.front().device();
-  device_work_->done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  device_work_.done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   c10d::Work::synchronize();
 }
 
 // The first phase, in segment order and then in pipeline order, that `matches`.
 const PhaseWork* StreamWork::first_phase(bool (*matches)(c10d::Work&)) const {
   const PhaseWork* first = nullptr;
-  for (const auto& phase : device_work_->phases) {
+  for (const auto& phase : device_work_.phases) {
     bool earlier = first == nullptr ||
                    std::tie(phase.segment, phase.phase) < std::tie(first->segment, first->phase);
     if (earlier && matches(*phase.work)) first = &phase;
@@ -100,10 +89,10 @@ const PhaseWork* StreamWork::first_phase(bool (*matches)(c10d::Work&)) const {
 
 std::exception_ptr StreamWork::disagreement() {
   // (No agreement tensor: its allreduce could not be enqueued, which fails the work anyway.)
-  if (agreement_read_ || !device_work_->agreement.defined() || !device_work_->agreed.query())
+  if (agreement_read_ || !device_work_.agreement.defined() || !device_work_.agreed.query())
     return nullptr;
   agreement_read_ = true;
-  const int64_t* maxima = device_work_->agreement.data_ptr<int64_t>();
+  const int64_t* maxima = device_work_.agreement.data_ptr<int64_t>();
   const int64_t counts[2] = {-maxima[2], maxima[0]};  // smallest, largest
   if (counts[0] == counts[1] && -maxima[3] == maxima[1]) return nullptr;
   const std::string detail =
@@ -112,7 +101,7 @@ std::exception_ptr StreamWork::disagreement() {
           : std::string("their dtypes or ops differ");
   return std::make_exception_ptr(C10_BUILD_ERROR(
       DistBackendError,
-      describe_mismatch(context_->shape, detail, device_work_->numel, device_work_->kind)));
+      describe_mismatch(context_->shape, detail, device_work_.numel, device_work_.kind)));
 }
 
 std::exception_ptr StreamWork::failed_phase() const {
@@ -121,7 +110,7 @@ std::exception_ptr StreamWork::failed_phase() const {
     return work.exception() != nullptr;
   });
   if (failed == nullptr) return nullptr;
-  return context_->phase_failed(failed->phase, failed->segment, device_work_->segments,
+  return context_->phase_failed(failed->phase, failed->segment, device_work_.segments,
                                 failed->work->exception());
 }
 
@@ -129,8 +118,8 @@ std::exception_ptr StreamWork::timed_out(std::chrono::milliseconds after) const 
   const PhaseWork* late =
       first_phase([](c10d::Work& work) { return !work.isCompleted(); });
   // Every phase has ended and the copy of the result is what is left: name the last phase.
-  const PhaseWork& phase = late != nullptr ? *late : device_work_->phases.back();
-  return context_->phase_timed_out(phase.phase, phase.segment, device_work_->segments, after);
+  const PhaseWork& phase = late != nullptr ? *late : device_work_.phases.back();
+  return context_->phase_timed_out(phase.phase, phase.segment, device_work_.segments, after);
 }
 
 }  // namespace torch_bigbatch::torus

@@ -17,7 +17,6 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <vector>
 
 namespace torch_bigbatch::torus {
@@ -74,7 +73,6 @@ class StreamWork : public TorusWork {
   // allreduce).
   StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op_type,
              std::vector<at::Tensor> outputs, DeviceWork device_work, c10::Stream completion);
-  ~StreamWork() override;
 
   // For the pipeline. poll() (its watcher thread's) settles the work when its device work is
   // done, the ranks' calls differ, one of its phases failed, the pipeline failed, or its
@@ -98,7 +96,7 @@ class StreamWork : public TorusWork {
   std::exception_ptr timed_out(std::chrono::milliseconds after) const;
 
   const std::shared_ptr<PipelineContext> context_;
-  std::optional<const DeviceWork> device_work_;  // always set; reset by the destructor
+  const DeviceWork device_work_;
   const Clock::time_point deadline_;
   bool agreement_read_ = false;
 };

@@ -2,6 +2,7 @@
 
 #include "torus/callback_threads.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
@@ -64,9 +65,20 @@ void TorusWork::end(std::exception_ptr error) {
   if (!waited) hand_over();
 }
 
+// The callback thread may drop the last reference to a CUDA Work, and a callback thread's
+// current device is GPU 0 without its context (a stream guard restores it with MaybeSetDevice):
+// destroying an event of GPU k there switches to k and back with cudaSetDevice, which creates
+// GPU 0's context (hundreds of MB on GPU 0 for every rank of another GPU). On the events' own
+// device that switch does nothing, and the guard restores the thread's device as it found it.
 void TorusWork::hand_over() {
-  run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)] {
+  run_on_callback_thread([self = c10::intrusive_ptr<TorusWork>::reclaim_copy(this)]() mutable {
     self->deliver();
+    std::optional<c10::DeviceGuard> on_its_device;
+    try {
+      if (self->completion_) on_its_device.emplace(self->completion_->device());
+    } catch (...) {  // (a device in error: released where the thread is)
+    }
+    self.reset();
   });
 }
 
