@@ -1,5 +1,6 @@
 #include "torus/stream_work.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -72,6 +73,7 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
 
 void StreamWork::synchronize() {
   const c10::Device device = outputs_.front().device();
+  const c10::DeviceGuard on_its_device(device);  // (see StreamPipeline::allreduce)
   device_work_.done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   c10d::Work::synchronize();
 }
