@@ -9,7 +9,8 @@ every node through a per-node /etc/hosts (`ip netns exec` mounts /etc/netns/<nam
 /etc/hosts), as a cluster's DNS would; `loopback_hostname=True` adds Debian's "127.0.1.1
 <hostname>" line first, the classic way a host's own name resolves to a loopback address.
 
-Needs root. Everything is removed on exit, on an exception, and on SIGINT or SIGTERM.
+Needs root. Everything is removed on exit, on an exception, and on SIGINT, SIGTERM or SIGHUP
+(signals that arrive while it is being removed wait until it is gone).
 
     # 2 nodes x 2 processes of the training job, over links of 1 Gbit/s:
     sudo python benchmarks/emulated_cluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit \\
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -33,15 +35,16 @@ import time
 SUBNET = "10.77.0"  # a private range that exists only inside the namespaces
 RDZV_PORT = 29400
 COMMAND_TIMEOUT = 10  # seconds for one ip/tc call
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each tears the cluster down
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def parse_rate(text):
     """Bits per second of a tc rate such as "1gbit" or "100mbit"."""
-    match = re.fullmatch(r"([0-9.]+)\s*(bit|kbit|mbit|gbit)", text.strip().lower())
-    if not match:
-        raise ValueError(f'a rate is a number and a unit of {list(RATE_UNITS)}, such as "1gbit"; '
-                         f"got {text!r}")
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)(bit|kbit|mbit|gbit)", text.strip().lower())
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f'a rate is a positive number and a unit of {list(RATE_UNITS)}, such as '
+                         f'"1gbit"; got {text!r}')
     return float(match[1]) * RATE_UNITS[match[2]]
 
 
@@ -67,18 +70,27 @@ def remove_stale_namespaces():
     """Deletes the namespaces a killed run of this module left (its pid is in their name)."""
     for line in sh("ip", "netns", "list").splitlines():
         name = line.split()[0] if line.strip() else ""
-        match = re.fullmatch(r"bb(?:node|br)(\d+)(?:-\d+)?", name)
+        match = re.fullmatch(r"bb(?:node|br)(\d+)(?:-[0-9a-f]{4})?(?:-\d+)?", name)
         if match and not pid_alive(int(match[1])):
             remove_namespace(name)
 
 
+def kill_processes_in(name):
+    """SIGKILLs whatever runs in namespace `name` (torchrun's workers have sessions of their
+    own: ending torchrun does not end them)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT).stdout
+        for pid in pids.split():
+            with_signal(int(pid), signal.SIGKILL)
+
+
 def remove_namespace(name):
-    """Kills what still runs in namespace `name`, deletes it and its hosts file."""
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT).stdout
-    for pid in pids.split():
-        with_signal(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+    """Kills what still runs in namespace `name`, deletes it and its hosts file (a slow call
+    does not stop the rest)."""
+    kill_processes_in(name)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT)
     shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
@@ -107,17 +119,21 @@ class EmulatedCluster:
         self.rate_bits = parse_rate(rate) if rate else None
         self.rate = rate
         self.loopback_hostname = loopback_hostname
-        tag = os.getpid()
+        # The pid, for remove_stale_namespaces, and a random part: a process may build several
+        # clusters, and one it leaked would hold the names of the next.
+        tag = f"{os.getpid()}-{secrets.token_hex(2)}"
         self.bridge = f"bbbr{tag}"
         self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i}", f"{SUBNET}.{i + 1}", f"p{i}")
                       for i in range(nodes)]
         self.processes = []
         self._created = []
         self._previous_handlers = {}
+        self._made_etc_netns = False
+        self._deferred_signal = None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in SIGNALS:
                 self._previous_handlers[signum] = signal.signal(signum, self._interrupted)
         try:
             remove_stale_namespaces()
@@ -133,14 +149,18 @@ class EmulatedCluster:
     def _interrupted(self, signum, frame):
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # unwinds to close()
 
+    def _defer(self, signum, frame):
+        self._deferred_signal = signum
+
     def _build(self):
-        sh("ip", "netns", "add", self.bridge)
+        # Each name is recorded before its namespace exists: close() deletes it, made or not.
         self._created.append(self.bridge)
+        sh("ip", "netns", "add", self.bridge)
         sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
         for node in self.nodes:
-            sh("ip", "netns", "add", node.namespace)
             self._created.append(node.namespace)
+            sh("ip", "netns", "add", node.namespace)
             self._write_hosts(node)
             # Created in the bridge's namespace, its peer born in the node's: never on the host.
             sh("ip", "-n", self.bridge, "link", "add", node.port, "type", "veth", "peer", "name",
@@ -166,13 +186,31 @@ class EmulatedCluster:
         if self.loopback_hostname:
             lines.append(f"127.0.1.1 {node.hostname}")
         lines += [f"{other.address} {other.hostname}" for other in self.nodes]
+        if not os.path.isdir("/etc/netns"):
+            os.makedirs("/etc/netns")
+            self._made_etc_netns = True
         os.makedirs(f"/etc/netns/{node.namespace}", exist_ok=True)
         with open(f"/etc/netns/{node.namespace}/hosts", "w") as file:
             file.write("\n".join(lines) + "\n")
 
     def close(self):
         """Ends every process in the nodes (SIGTERM, then SIGKILL after 5 s), deletes the
-        namespaces and hosts files. Safe to call twice."""
+        namespaces and hosts files. Safe to call twice. A signal of SIGNALS that arrives
+        meanwhile (a second Ctrl-C) is raised once everything is removed."""
+        if self._previous_handlers:
+            for signum in SIGNALS:
+                signal.signal(signum, self._defer)
+        try:
+            self._remove_everything()
+        finally:
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+            self._previous_handlers.clear()
+        if self._deferred_signal is not None:
+            signum, self._deferred_signal = self._deferred_signal, None
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def _remove_everything(self):
         for process in self.processes:
             if process.poll() is None:
                 with_signal(process.pid, signal.SIGTERM)
@@ -189,11 +227,10 @@ class EmulatedCluster:
                 process.wait(timeout=5)
         self.processes.clear()
         self._created.clear()
-        with contextlib.suppress(OSError):  # /etc/netns, made by _write_hosts, when empty
-            os.rmdir("/etc/netns")
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
+        if self._made_etc_netns:
+            with contextlib.suppress(OSError):  # when empty: another run may use it now
+                os.rmdir("/etc/netns")
+            self._made_etc_netns = False
 
     def command(self, node, argv):
         """argv as run in `node`: its network namespace, its hostname."""
@@ -224,10 +261,12 @@ class EmulatedCluster:
                     pass
             late = [node.hostname for node, process in zip(self.nodes, processes)
                     if process.poll() is None]
-            for process in processes:  # nothing outlives run(), late or not
+            for node, process in zip(self.nodes, processes):  # nothing outlives run()
                 if process.poll() is None:
                     process.kill()
                     process.wait(timeout=5)
+                if late:  # what the command started (torchrun's workers) too
+                    kill_processes_in(node.namespace)
             outputs = [read_text(log) for log in logs]
         if late:
             raise TimeoutError(f"{late} still running after {timeout} s\n"
@@ -292,6 +331,15 @@ def main():
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("emulating a cluster needs root (network namespaces)")
+    if not 1 <= args.nodes <= 200 or args.nproc_per_node < 1 or args.max_restarts < 0 \
+            or not args.timeout > 0:
+        parser.error("--nodes is 1 to 200, --nproc-per-node 1 or more, --max-restarts 0 or "
+                     "more, --timeout above 0")
+    try:
+        if args.rate:
+            parse_rate(args.rate)
+    except ValueError as error:
+        parser.error(f"--rate: {error}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     print(f"{args.script} on {args.nodes} emulated nodes x {args.nproc_per_node} processes; "
           "each node's output follows when the job ends", flush=True)

@@ -95,14 +95,20 @@ def test_teardown_removes_namespaces_and_processes(tmp_path):
     assert not any(os.path.exists(f"/etc/netns/{name}") for name in names)
 
 
-def test_sigterm_tears_the_cluster_down(tmp_path):
-    """A driver ended by SIGTERM still removes its namespaces."""
+@pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGHUP"], ["SIGTERM", "SIGINT"]],
+                         ids=lambda signals: "_then_".join(signals))
+def test_a_signal_tears_the_cluster_down(tmp_path, signals):
+    """A driver ended by a signal still removes its namespaces: also by SIGHUP (its terminal
+    closed; it left them), and by a second signal while it removes them (a node's process that
+    ignores SIGTERM makes that take 5 s; the second signal ended the removal half done)."""
     ready = tmp_path / "ready"
     driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
         from emulated_cluster import EmulatedCluster
-        with EmulatedCluster(2):
+        with EmulatedCluster(2) as cluster:
+            cluster.start(cluster.nodes[0], ["sh", "-c", "trap '' TERM; sleep 120"], "/dev/null")
+            time.sleep(0.5)  # the shell has set its trap
             open({str(ready)!r}, "w").close()
             time.sleep(120)
         """)])
@@ -113,11 +119,14 @@ def test_sigterm_tears_the_cluster_down(tmp_path):
             time.sleep(0.1)
         assert ready.exists(), "the cluster was not built within 60 s"
         assert any(name.startswith(prefix) for name in namespaces())
-        driver.send_signal(signal.SIGTERM)
+        for name in signals:
+            driver.send_signal(getattr(signal, name))
+            time.sleep(1)
         driver.wait(timeout=30)
     finally:
         if driver.poll() is None:
             driver.kill()
+    assert driver.returncode != 0
     assert not any(name.startswith((prefix, f"bbbr{driver.pid}")) for name in namespaces())
 
 
