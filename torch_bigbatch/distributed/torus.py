@@ -72,7 +72,8 @@ class TorusOptions:
 
     shape: (X, Y) or "XxY": X ranks per row (usually the GPUs of a node), Y rows. None: the
         TORCH_BIGBATCH_TORUS environment variable for groups of the world's size, else X =
-        LOCAL_WORLD_SIZE when it divides the group size, else the factorization nearest a square.
+        LOCAL_WORLD_SIZE when it is above 1 and divides the group size, else the factorization
+        nearest a square.
     algorithm: what an allreduce runs. "torus": the 2D torus (in its one-shot form on CPU
         tensors up to 256 KiB); "flat": one allreduce of the whole
         group (Gloo's or NCCL's own); "auto": measured per device type and size class (each

@@ -1,4 +1,5 @@
-"""The papers' setups. Each scales to any world size: n samples per rank, LR by the linear rule."""
+"""The papers' setups, scaled to the world size: n samples per rank, LR by the linear rule
+(mlperf_lars fixes its global batch instead: a world size must divide it)."""
 
 from .recipe import Recipe
 

@@ -1,4 +1,4 @@
-"""A paper's training setup as one value that scales to any world size by the linear rule."""
+"""A paper's training setup as one value that scales with the world size by the linear rule."""
 
 import dataclasses
 
