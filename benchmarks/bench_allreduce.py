@@ -36,14 +36,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import torch_bigbatch  # noqa: E402
-from common import write_csv  # noqa: E402
+from common import positive_int, write_csv  # noqa: E402
 from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
                                         torus_algorithm_table)
 from torch_bigbatch.distributed.cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES  # noqa: E402
 from torch_bigbatch.distributed.torus import cpu_segment_bytes  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-DEFAULT_SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
+DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 CSV_FIELDS = ["device", "shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s",
               "speedup_vs_gloo", "runs", "cpu_ms", "cpu_vs_gloo"]
 MAX_WARM_UP_CALLS = 100  # auto decides a class after at most 4 candidates x 5 trial calls
@@ -63,9 +63,18 @@ def warm_up(tensor, name, group):
 
 
 def parse_size(text):
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    """Bytes of "4K", "1M", "64MiB" or "4096": an argparse type (a multiple of 4, a float32's)."""
+    text = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     scale = UNITS.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
+    try:
+        nbytes = int(float(text.rstrip("KMG")) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'a size is bytes or a number with K, M or G, such as '
+                                         f'"64K"; got {text!r}') from None
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"a size is a positive multiple of 4 bytes (float32 "
+                                         f"elements), got {text!r}")
+    return nbytes
 
 
 def label(nbytes):
@@ -97,13 +106,16 @@ def time_round(run, group, iters, device):
 
 def describe_choice(nbytes, group, device):
     """What a torus group runs for this size: "flat", "torus", "torus 16M" (its segment size
-    where it is not the default one) or "torus 1-shot" (its one-shot form, chosen by "auto")."""
+    where it is not the default one) or "torus 1-shot" (its one-shot form: chosen by "auto",
+    or the forced torus's on CPU tensors up to _C.torus_one_shot_max_bytes)."""
     rows = [row for row in torus_algorithm_table(group) if row["device"] == device.type
             and row["min_bytes"] <= nbytes <= row["max_bytes"]]
     algorithm = torus_algorithm(nbytes, group, device.type)
     default_segment = (cpu_segment_bytes(dist.get_world_size(group)) if device.type == "cpu"
                        else DEFAULT_SEGMENT_BYTES)
-    if rows and algorithm == "torus" and rows[0]["one_shot"]:
+    one_shot = rows[0]["one_shot"] if rows else (
+        device.type == "cpu" and nbytes <= torch_bigbatch._C.torus_one_shot_max_bytes)
+    if algorithm == "torus" and one_shot:
         return "torus 1-shot"
     if rows and algorithm == "torus" and rows[0]["segment_bytes"] != default_segment:
         return "torus " + label(rows[0]["segment_bytes"]).replace(" ", "").removesuffix("iB")
@@ -206,10 +218,11 @@ def print_table(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["4x4", "2x4"], help='"XxY" each')
-    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 4K 1M 64M")
-    parser.add_argument("--iters", type=int, default=20, help="allreduces per round (fewer "
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=DEFAULT_SIZES,
+                        help="e.g. 4K 1M 64M")
+    parser.add_argument("--iters", type=positive_int, default=20, help="allreduces per round (fewer "
                         "for large sizes: at most 64 MiB moved per round)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--algorithms", nargs="+", default=["auto", "torus"],
                         choices=("auto", "torus", "flat"), help="torus groups to time")
     parser.add_argument("--segment-bytes", type=parse_size, help="default: TorusOptions'")
@@ -220,7 +233,7 @@ def main():
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible")
-    sizes = [parse_size(size) for size in args.sizes]
+    sizes = args.sizes
     all_rows = []
     for index, spec in enumerate(args.shapes):
         rows = run_shape(parse_shape(spec), sizes, args, args.port + index)

@@ -2,12 +2,14 @@
 
 N emulated nodes (benchmarks/emulated_cluster.py: network namespaces on a bridge) run this
 script under torchrun with a c10d rendezvous, X processes each, so the torus has one row per
-node (X = LOCAL_WORLD_SIZE) and its columns cross the nodes' links. For each link rate (none,
+node (X = LOCAL_WORLD_SIZE) and its columns cross the nodes' links (with one process per
+node, the squarest shape instead: 4 nodes, 2x2, rows of two nodes). For each link rate (none,
 or a tbf rate per node standing for its NIC) and each size, the algorithms take turns over
 several rounds of back-to-back fp32 allreduces (as benchmarks/bench_allreduce.py times them);
 then each node reads its eth0 counters around a run of each algorithm alone: the bytes it
 sends per allreduce, headers and a barrier included. Next to them: the bytes the algorithm
-should send per node (torus: 2(Y-1)/Y of the buffer, a flat ring: 2(p-1)/p) and the time
+should send per node (torus: 2(Y-1)/Y of the buffer, X(Y-1) in its one-shot form, a flat
+ring: 2(p-1)/p; expected_per_buffer) and the time
 torch_bigbatch.distributed.cost_model's allreduce_time predicts, fitted (fit_alpha_beta) to
 this run's Gloo times on unlimited links.
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
 from bench_allreduce import (DEFAULT_SIZES, describe_choice, label, parse_size, time_round,
                              warm_up)
-from common import write_csv
+from common import positive_int, write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
 from torch_bigbatch.distributed import TorusOptions, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
@@ -51,13 +53,23 @@ CSV_FIELDS = ["nodes", "nproc_per_node", "rate", "shape", "bytes", "algorithm", 
               "model_ms", "sent_bytes_per_node", "sent_per_buffer", "expected_per_buffer"]
 
 
-def expected_per_buffer(algorithm, nodes, ranks):
-    """The share of the buffer each node sends per allreduce: the torus's columns carry
-    2(Y-1)/Y of it (every node's X columns a 1/X slice each), a flat ring 2(p-1)/p (one hop
-    per node leaves it, as the ranks of a node are contiguous)."""
-    if algorithm in ("gloo", "flat"):
-        return 2 * (ranks - 1) / ranks
-    return 2 * (nodes - 1) / nodes
+def expected_per_buffer(runs, nproc_per_node, shape):
+    """The share of the buffer each node sends per allreduce. A flat ring: 2(p-1)/p (one hop
+    per node leaves it, as the ranks of a node are contiguous). The torus of X columns and Y
+    rows, with rows that are the nodes (X = the processes of a node): its columns carry
+    2(Y-1)/Y (every node's X columns a 1/X slice each), in the one-shot form X(Y-1) (each
+    member sends its row's sum to the Y - 1 others); with one process per node the shape is
+    the squarest (torus.resolve_shape) and every message crosses a link: 2(p-1)/p again, in
+    the one-shot form X - 1 + Y - 1."""
+    columns, rows = shape
+    ranks = columns * rows
+    ring = 2 * (ranks - 1) / ranks
+    one_shot = runs == "torus 1-shot"
+    if runs in ("gloo", "flat"):
+        return ring
+    if columns == nproc_per_node:
+        return columns * (rows - 1) if one_shot else 2 * (rows - 1) / rows
+    return columns + rows - 2 if one_shot else ring
 
 
 # ---- the worker: one rank under torchrun, in a node ----
@@ -89,7 +101,7 @@ def worker(args):
     dist.all_gather_object(hosts, socket.gethostname())
     leader = int(os.environ["LOCAL_RANK"]) == 0
     rows = []
-    for nbytes in [parse_size(size) for size in args.sizes]:
+    for nbytes in args.sizes:
         tensor = torch.ones(nbytes // 4)
         iters = max(1, min(args.iters, args.round_bytes // nbytes))
         seconds = {name: [] for name in groups}
@@ -118,7 +130,7 @@ def worker(args):
 # ---- the driver: the emulated cluster, the model, the table ----
 
 def worker_args(args):
-    return ["--worker", "--algorithms", *args.algorithms, "--sizes", *args.sizes,
+    return ["--worker", "--algorithms", *args.algorithms, "--sizes", *map(str, args.sizes),
             "--iters", str(args.iters), "--rounds", str(args.rounds),
             "--round-bytes", str(args.round_bytes), "--interface", "eth0",
             "--collective-timeout", str(args.collective_timeout)]
@@ -166,7 +178,8 @@ def table_rows(result, nodes, nproc_per_node, rate, hardware):
                      "algorithm": algorithm, "ms": row["ms"], "model_ms": model,
                      "sent_bytes_per_node": sent, "sent_per_buffer": sent / nbytes,
                      "runs": runs,
-                     "expected_per_buffer": expected_per_buffer(kind, nodes, ranks)})
+                     "expected_per_buffer": expected_per_buffer(runs, nproc_per_node,
+                                                                result["shape"])})
     return rows
 
 
@@ -197,15 +210,16 @@ def fitted_alpha_beta(result, ranks):
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--nodes", type=positive_int, default=2)
+    parser.add_argument("--nproc-per-node", type=positive_int, default=2)
     parser.add_argument("--rates", nargs="+", default=["none", "1gbit"],
                         help='per-node link rates, "none" for unlimited (it calibrates the model)')
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
-    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 4K 1M 64M")
-    parser.add_argument("--iters", type=int, default=10, help="allreduces per round (fewer "
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=DEFAULT_SIZES,
+                        help="e.g. 4K 1M 64M")
+    parser.add_argument("--iters", type=positive_int, default=10, help="allreduces per round (fewer "
                         "for large sizes: at most --round-bytes moved per round)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--round-bytes", type=parse_size, default=parse_size("64M"))
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds for each rate's whole run")
@@ -217,21 +231,30 @@ def get_args_parser():
 
 
 def main():
-    args = get_args_parser().parse_args()
+    parser = get_args_parser()
+    args = parser.parse_args()
     if args.worker:
         return worker(args)
     if os.geteuid() != 0:
         sys.exit("bench_cluster.py emulates nodes with network namespaces: run it as root")
     rates = [None if rate == "none" else rate for rate in args.rates]
     for rate in filter(None, rates):
-        parse_rate(rate)  # a bad rate fails now, not after the first run
+        try:
+            parse_rate(rate)  # a bad rate fails now, not after the first run
+        except ValueError as error:
+            parser.error(f"--rates: {error}")
     ranks = args.nodes * args.nproc_per_node
     results = {rate: measure(args.nodes, args.nproc_per_node, rate, args) for rate in rates}
     calibration = None
-    if None in results and "gloo" in args.algorithms and len(args.sizes) > 1:
+    if None in results and "gloo" in args.algorithms and len(set(args.sizes)) > 1:
         calibration = fitted_alpha_beta(results[None], ranks)
-        print(f"cost model fitted to Gloo on unlimited links: alpha {calibration[0] * 1e3:.3f} ms, "
-              f"{1 / calibration[1] / 1e9:.2f} GB/s per core")
+        if min(calibration) > 0:
+            print(f"cost model fitted to Gloo on unlimited links: alpha "
+                  f"{calibration[0] * 1e3:.3f} ms, {1 / calibration[1] / 1e9:.2f} GB/s per core")
+        else:  # Gloo's times did not grow with the size (small sizes, a noisy run)
+            print(f"cost model not calibrated: the fit to Gloo gave alpha "
+                  f"{calibration[0] * 1e3:.3f} ms and beta {calibration[1]:.3g} s/B")
+            calibration = None
     all_rows = []
     for rate, result in results.items():
         hardware = emulated_hardware(*calibration, args.nodes, args.nproc_per_node, rate) \

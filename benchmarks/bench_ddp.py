@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-from common import write_csv
-from emulated_cluster import EmulatedCluster, format_outputs
+from common import positive_int, write_csv
+from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # job arguments, steps, steps between progress lines
@@ -66,12 +66,22 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
         if nodes == 1:
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                        str(processes), *job]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                    env=env, cwd=ROOT)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}"
-                                   f"{result.stderr[-3000:]}")
-            return steady_rate(result.stdout)
+            torchrun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=env, cwd=ROOT)
+            try:
+                stdout, stderr = torchrun.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # SIGTERM: torchrun ends its workers first (killed, it left them running).
+                torchrun.terminate()
+                try:
+                    torchrun.communicate(timeout=60)
+                finally:
+                    torchrun.kill()
+                raise
+            if torchrun.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{stdout[-2000:]}"
+                                   f"{stderr[-3000:]}")
+            return steady_rate(stdout)
         with EmulatedCluster(nodes, rate=rate) as cluster:
             results = cluster.run(lambda node: cluster.torchrun(node, job, processes // nodes),
                                   timeout=timeout, env=env)
@@ -85,17 +95,25 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--nprocs", nargs="+", type=int, default=[4, 8])
-    parser.add_argument("--nodes", type=int, default=1,
+    parser.add_argument("--nprocs", nargs="+", type=positive_int, default=[4, 8])
+    parser.add_argument("--nodes", type=positive_int, default=1,
                         help="emulated nodes the processes are spread over (root)")
     parser.add_argument("--rates", nargs="+", default=["none"],
                         help='with --nodes: each node\'s link rate, e.g. "1gbit", or "none"')
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()
     if args.nodes > 1 and os.geteuid() != 0:
         parser.error("--nodes needs root (network namespaces)")
+    if args.nodes == 1 and args.rates != ["none"]:
+        parser.error("--rates are the links between emulated nodes: give --nodes 2 or more")
+    for rate in args.rates:
+        try:
+            if rate != "none":
+                parse_rate(rate)  # a bad rate fails now, not after the runs before it
+        except ValueError as error:
+            parser.error(f"--rates: {error}")
     for processes in args.nprocs:
         if processes % args.nodes:
             parser.error(f"{processes} processes do not spread evenly over {args.nodes} nodes")

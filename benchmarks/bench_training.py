@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_bigbatch
-from common import DTYPES, device_name, write_csv
+from common import DTYPES, device_name, positive_int, write_csv
 
 HYPERPARAMETERS = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
 VARIANTS = {  # the model's BatchNorm group size (0: nn.BatchNorm2d), the optimizer
@@ -99,7 +99,7 @@ def main():
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--warmup", type=int, default=3, help="steps per variant before timing")
     parser.add_argument("--steps", type=int, default=10, help="steps per variant and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

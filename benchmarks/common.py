@@ -12,6 +12,15 @@ from torch.utils import benchmark
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def positive_int(text):
+    """An argparse type: an int of 1 or more (0 rounds would leave no time to take a median
+    of, 0 nodes nothing to divide the ranks over)."""
+    value = int(text)  # a ValueError here gives argparse's "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
 def argument_parser(docstring, min_run_time, rounds, extra=()):
     """The options every device benchmark takes: --device, --dtype, --min-run-time, --rounds
     and --csv; `extra` adds (flags, options) pairs."""
@@ -23,7 +32,7 @@ def argument_parser(docstring, min_run_time, rounds, extra=()):
         parser.add_argument(*flags, **options)
     parser.add_argument("--min-run-time", type=float, default=min_run_time,
                         help="seconds of timing per variant (blocked_autorange), over all rounds")
-    parser.add_argument("--rounds", type=int, default=rounds,
+    parser.add_argument("--rounds", type=positive_int, default=rounds,
                         help="the variants take turns this many times")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     return parser
