@@ -111,12 +111,14 @@ BB_HOST_DEVICE bool is_finite(A x) { return x - x == A(0); }
 // their sum, not rounded here) and the sum of squared deviations (M2), corrected for the
 // rounding of `center`.
 // An infinite center (an inf among the values) is the mean itself, as in nn.BatchNorm; its d
-// are inf or NaN, so M2 is NaN there, as nn.BatchNorm's variance is.
+// are inf or NaN, so M2 is NaN there, as nn.BatchNorm's variance is. Finite values whose
+// squares overflow give an infinite M2, as nn.BatchNorm's variance is (sum * sum overflowed
+// too: inf - inf was NaN); (sum d)^2 / n <= sum d^2, so sum * (sum / count) does not.
 template <typename A>
 BB_HOST_DEVICE void sample_moments(A* out, A center, A sum, A sum_squares, A count) {
   out[0] = center;
   out[1] = is_finite(center) ? sum / count : A(0);
-  out[2] = sum_squares - sum * sum / count;
+  out[2] = is_finite(sum_squares) ? sum_squares - sum * (sum / count) : sum_squares;
 }
 
 // Step 2's merge of a group's samples, forward, relative to a reference: its first sample's

@@ -51,8 +51,11 @@ class CpuPass {
         const A center = kBackward ? mean[g * L.channels + c] : row_mean(x);
         const Vec k(center);
         const T* dy = kBackward ? grad_output + row * L.spatial : nullptr;
-        Vec total[4];  // sums of q1 and q2, lo and hi
-        blocked_sums(total, [&](int64_t s, int64_t count, Vec(&q)[4]) {
+        Vec total[4] = {Vec(A(0)), Vec(A(0)), Vec(A(0)), Vec(A(0))};  // q1 and q2, lo and hi
+        const auto join = [&](Vec(&q)[4]) {
+          for (int i = 0; i < 4; ++i) total[i] = total[i] + q[i];
+        };
+        blocked_sums<4>([&](int64_t s, int64_t count, Vec(&q)[4]) {
           Vec d[2];
           load_pair(x + s, count, d[0], d[1]);
           d[0] = d[0] - k;
@@ -74,7 +77,7 @@ class CpuPass {
               q[2 + h] = at::vec::fmadd(d[h], d[h], q[2 + h]);
             }
           }
-        });
+        }, join);
         const A q1 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]);
         const A q2 = at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[2] + total[3]);
         store_sample(sample_values<A>(p, row), center, q1, q2);
@@ -83,31 +86,33 @@ class CpuPass {
   }
 
   // Sums over a row of S contiguous values: body(s, count, q) adds the kStep values from s
-  // (count of them inside the row) into the partial sums q, which join `total` every
-  // kBlockRows steps (two-level sums: a single running sum lost precision as S grew: 2.3e-4
-  // relative error in the variance at S = 2^25, against 2.1e-6 channels-last).
-  template <int K, typename Body>
-  void blocked_sums(Vec (&total)[K], Body body) const {
-    for (auto& sum : total) sum = Vec(A(0));
+  // (count of them inside the row) into the partial sums q, which join(q) adds to the totals
+  // every kBlockRows steps (two-level sums: a single running sum lost precision as S grew:
+  // 2.3e-4 relative error in the variance at S = 2^25, against 2.1e-6 channels-last).
+  template <int K, typename Body, typename Join>
+  void blocked_sums(Body body, Join join) const {
     for (int64_t block = 0; block < L.spatial; block += kBlockRows * kStep) {
       Vec q[K];
       for (auto& sum : q) sum = Vec(A(0));
       const int64_t end = std::min(block + kBlockRows * kStep, L.spatial);
       for (int64_t s = block; s < end; s += kStep) body(s, std::min(kStep, L.spatial - s), q);
-      for (int i = 0; i < K; ++i) total[i] = total[i] + q[i];
+      join(q);
     }
   }
 
-  // The mean of a row of S contiguous values (the forward's first pass).
+  // The mean of a row of S contiguous values (the forward's first pass), its blocks' sums
+  // totalled in double: with a mean far above the spread (1e6 times) and millions of values,
+  // a float total drifted by hundreds of spreads, and the second pass's M2 = sum d^2 -
+  // (sum d)^2 / n then cancelled (the variance 1e-3 off at S = 2^24, channels-last 6x).
   A row_mean(const T* x) const {
-    Vec total[2];
-    blocked_sums(total, [&](int64_t s, int64_t count, Vec(&q)[2]) {
+    double total = 0;
+    blocked_sums<2>([&](int64_t s, int64_t count, Vec(&q)[2]) {
       Vec v[2];  // past count, load_pair gives zeros
       load_pair(x + s, count, v[0], v[1]);
       q[0] = q[0] + v[0];
       q[1] = q[1] + v[1];
-    });
-    return at::vec::vec_reduce_all<A>(std::plus<Vec>(), total[0] + total[1]) / A(L.spatial);
+    }, [&](Vec(&q)[2]) { total += at::vec::vec_reduce_all<A>(std::plus<Vec>(), q[0] + q[1]); });
+    return A(total / double(L.spatial));
   }
 
   // Step 1's values of a (sample, channel): sums of dy and dy d (backward), or the sample's
@@ -167,9 +172,10 @@ class CpuPass {
   }
 
   // The means over the S rows of sample n's channels c .. c + count in [N, S, C] memory (the
-  // forward's first pass), as two vectors; zeros past count.
+  // forward's first pass), as two vectors; zeros past count. The blocks' sums are totalled in
+  // double (see row_mean).
   void channel_means(int64_t n, int64_t c, int64_t count, Vec* means) const {
-    Vec total[2] = {Vec(A(0)), Vec(A(0))};
+    double total[kStep] = {};
     for (int64_t block = 0; block < L.spatial; block += kBlockRows) {
       Vec q[2] = {Vec(A(0)), Vec(A(0))};
       for (int64_t s = block; s < std::min(block + kBlockRows, L.spatial); ++s) {
@@ -178,12 +184,15 @@ class CpuPass {
         q[0] = q[0] + v[0];
         q[1] = q[1] + v[1];
       }
-      total[0] = total[0] + q[0];
-      total[1] = total[1] + q[1];
+      alignas(64) A lanes[kStep];
+      q[0].store(lanes);
+      q[1].store(lanes + Vec::size());
+      for (int64_t j = 0; j < kStep; ++j) total[j] += lanes[j];
     }
-    const Vec samples(A(L.spatial));
-    means[0] = total[0] / samples;
-    means[1] = total[1] / samples;
+    alignas(64) A mean[kStep];
+    for (int64_t j = 0; j < kStep; ++j) mean[j] = A(total[j] / double(L.spatial));
+    means[0] = Vec::loadu(mean);
+    means[1] = Vec::loadu(mean + Vec::size());
   }
 
   // Steps 2 and 3: a task per channel walks its groups, then the channel's totals.

@@ -80,15 +80,18 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
   A center;
   if constexpr (kBackward) {
     center = static_cast<const A*>(p.mean)[l.group_of(row / l.channels) * l.channels + c];
-  } else {  // the first pass: the row's mean
-    A total = 0;
+  } else {
+    // The first pass: the row's mean, totalled in double: a float total drifted by hundreds
+    // of spreads at a mean 1e6 times the spread and millions of values, and M2 = sum d^2 -
+    // (sum d)^2 / n then cancelled (as on the CPU: local_bn_cpu.cpp's row_mean).
+    double total = 0;
     each([&](int64_t i, auto width) {
       constexpr int N = decltype(width)::value;
       const Pack<T, N> xs = load_pack<N>(x, i);
 #pragma unroll
       for (int j = 0; j < N; ++j) total += to_acc(xs.v[j]);
     });
-    center = warp_sum(total) / A(l.spatial);
+    center = A(warp_sum(total) / double(l.spatial));
   }
   A q1 = 0, q2 = 0;
   each([&](int64_t i, auto width) {
@@ -123,17 +126,18 @@ __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPa
   if constexpr (kBackward) {
     if (warp == 0 && active)
       centers[lane] = static_cast<const A*>(p.mean)[l.group_of(n) * l.channels + c];
-  } else {  // the first pass: each channel's mean over the sample's S rows
-    A total = 0;
+  } else {  // the first pass: each channel's mean over the sample's S rows, in double
+    __shared__ double totals[kWarps][kChannelTile + 1];
+    double total = 0;
     if (active) {
 #pragma unroll 4
       for (int64_t s = warp; s < l.spatial; s += kWarps) total += to_acc(x[l.index(n, c, s)]);
     }
-    partial[0][warp][lane] = total;
+    totals[warp][lane] = total;
     __syncthreads();
     if (warp == 0) {
-      for (int w = 1; w < kWarps; ++w) total += partial[0][w][lane];
-      centers[lane] = total / A(l.spatial);
+      for (int w = 1; w < kWarps; ++w) total += totals[w][lane];
+      centers[lane] = A(total / double(l.spatial));
     }
   }
   __syncthreads();  // the centers are in; the first pass's partials are read

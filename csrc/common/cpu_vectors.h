@@ -45,8 +45,9 @@ C10_ALWAYS_INLINE void store_pair(T* dst, int64_t count, const AccVec<T>& lo,
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// One instruction for 32 values (round to nearest even, as ATen's integer sequence does):
-// bf16 then stores as fast as fp16.
+// One instruction for 32 values (round to nearest even, as ATen's integer sequence does,
+// except that subnormal results, below 1.2e-38, are flushed to 0): bf16 then stores as fast
+// as fp16.
 template <>
 C10_ALWAYS_INLINE void store_pair(at::BFloat16* dst, int64_t count, const AccVec<float>& lo,
                                   const AccVec<float>& hi) {
