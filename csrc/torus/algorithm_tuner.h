@@ -19,8 +19,10 @@
 // same fastest candidate (flat unless a torus beats it by 5%: see decide). The least rank's
 // time counts: a rank's time includes waiting for the ranks that issue later (in a training
 // step, their lag in the backward pass), and the rank that issues last waits for nobody. From
-// then on the class runs it: a table lookup, no extra collective. The decision blocks its call
-// once, until the trials have ended (bounded by the group's timeout).
+// then on the class runs it: a table lookup under the tuner's lock, no extra collective. The
+// decision blocks its call once, until the trials have ended and the ranks agreed (each wait
+// bounded by the group's timeout), and holds the lock meanwhile: the group's other calls and
+// queries wait for it too, so that calls are issued in the order they reached the tuner.
 //
 // Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
 // the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.
