@@ -917,6 +917,34 @@ def saved_then_reduced(rank, world_size, port, algorithm):
     return results
 
 
+def inference_tensors(rank, world_size, port, algorithm):
+    init(rank, world_size, port, TorusOptions(algorithm=algorithm))
+    results = []
+    for numel in (10, 300_000):  # the one-shot form and the segments
+        for reduced_inside in (True, False):
+            with torch.inference_mode():
+                tensor = torch.full((numel,), rank + 1.0)
+                if reduced_inside:
+                    dist.all_reduce(tensor)
+            if not reduced_inside:
+                dist.all_reduce(tensor)
+            results.append(tensor.unique().tolist())
+    later = torch.ones(3)
+    dist.all_reduce(later)
+    return results, later.tolist()
+
+
+@pytest.mark.parametrize("algorithm", ["torus", "flat"])
+def test_inference_tensors_reduce_as_over_gloo(algorithm):
+    """Tensors made under torch.inference_mode() (an evaluation's sums), reduced inside it or
+    after: Gloo writes them; the torus's ATen writes were refused outside inference mode on its
+    threads ("Inplace update to inference tensor outside InferenceMode"), which failed the
+    backend for every later call."""
+    for results, later in run_ranks(inference_tensors, 2, algorithm):
+        assert results == [[3.0]] * 4, results
+        assert later == [2.0] * 3
+
+
 @pytest.mark.parametrize("algorithm", ["torus", "flat"])
 def test_an_allreduce_leaves_the_version_counter_as_gloo_does(algorithm):
     """The torus's phases wrote the result with ATen ops on an alias that shared the caller's

@@ -4,7 +4,6 @@
 #include "torus/local_reduce.h"
 #include "torus/thread_activity.h"
 
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -48,9 +47,6 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
   std::lock_guard<std::mutex> ordered(enqueue_mutex_);
   context_->failure->check_usable();
   const c10::Device device = inputs.front().device();
-  // As ProcessGroupNCCL enqueues: on the inputs' device. An event recorded from another one
-  // returns to it with cudaSetDevice, which creates a context there if it had none.
-  const c10::DeviceGuard on_inputs_device(device);
   const DeviceStreams& streams = streams_for(device);
   DeviceWork device_work(device.type());
   std::exception_ptr error = enqueue(inputs, op, streams, segment_bytes, device_work);

@@ -73,7 +73,9 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
 
 void StreamWork::synchronize() {
   const c10::Device device = outputs_.front().device();
-  const c10::DeviceGuard on_its_device(device);  // (see StreamPipeline::allreduce)
+  // (An event waited for from another current device returns to it with cudaSetDevice, which
+  // creates a context there if it had none: as ProcessGroupNCCL, on the tensors' device.)
+  const c10::DeviceGuard on_its_device(device);
   device_work_.done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   c10d::Work::synchronize();
 }

@@ -4,6 +4,8 @@
 #include "torus/local_reduce.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
@@ -128,6 +130,16 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   // caller's counter where Gloo's allreduce (and the flat path) leaves it: the backward of a
   // tensor saved, then reduced, raised or not as the tuner chose.
   for (auto& tensor : tensors) tensor = tensor.variable_data();
+  // The torus writes results with ATen ops, here and on its threads, all in inference mode (on
+  // the aliases, which no autograd graph holds): an inference tensor, made under
+  // torch.inference_mode() (an evaluation's sums), is refused an in-place op outside it, and
+  // that refusal failed the backend where Gloo writes it raw.
+  const c10::InferenceMode writes_anything;
+  // As ProcessGroupNCCL enqueues: on the tensors' device (the tuner's and the pipeline's CUDA
+  // events, recorded from another current device, return to it with cudaSetDevice, which
+  // creates a context there if it had none: GPU 0's, in every rank of another GPU).
+  c10::OptionalDeviceGuard on_their_device;
+  if (tensors.front().is_cuda()) on_their_device.reset_device(tensors.front().device());
   const at::Tensor& first = tensors.front();
   int64_t bytes = 0;
   for (const auto& tensor : tensors) {
@@ -263,6 +275,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
   work->getFuture()->addCallback([finished, reduced, op = finish_op, size = getSize(),
                                   message = whole_group_failure("allreduce"),
                                   failure = failure_](c10::ivalue::Future& done) mutable {
+    const c10::InferenceMode writes_anything;  // (see torus_allreduce)
     try {
       TORCH_CHECK(!done.hasError(), message, done.hasError() ? done.tryRetrieveErrorMessage() : "");
       std::vector<at::Tensor> outputs = finished->result();
