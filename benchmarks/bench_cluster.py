@@ -171,8 +171,12 @@ def table_rows(result, nodes, nproc_per_node, rate, hardware):
         nbytes, algorithm, runs = row["bytes"], row["algorithm"], row["runs"]
         kind = runs.split()[0]  # "torus 16M": the torus with other segments
         sent = statistics.mean(row["sent_per_node"].values())
+        # The model has the four-phase torus with a row per node: not the one-shot form, nor
+        # the squarest shape of one process per node.
+        modelled = runs != "torus 1-shot" and (kind != "torus"
+                                               or result["shape"][0] == nproc_per_node)
         model = allreduce_time(MODEL_OF_RUN[kind], hardware, ranks, nbytes) * 1e3 \
-            if hardware else None
+            if hardware and modelled else None
         rows.append({"nodes": nodes, "nproc_per_node": nproc_per_node, "rate": rate or "none",
                      "shape": "x".join(map(str, result["shape"])), "bytes": nbytes,
                      "algorithm": algorithm, "ms": row["ms"], "model_ms": model,

@@ -49,8 +49,10 @@ def parse_rate(text):
 
 
 def sh(*argv):
-    """Runs an ip/tc command; its stderr goes into the error when it fails."""
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    """Runs an ip/tc command; its stderr goes into the error when it fails. In a session of its
+    own, as are the teardown's: a terminal's Ctrl-C does not end it half done."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT,
+                            start_new_session=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
     return result.stdout
@@ -80,7 +82,7 @@ def kill_processes_in(name):
     own: ending torchrun does not end them)."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT).stdout
+                              timeout=COMMAND_TIMEOUT, start_new_session=True).stdout
         for pid in pids.split():
             with_signal(int(pid), signal.SIGKILL)
 
@@ -90,7 +92,8 @@ def remove_namespace(name):
     does not stop the rest)."""
     kill_processes_in(name)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT,
+                       start_new_session=True)
     shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
@@ -129,13 +132,18 @@ class EmulatedCluster:
         self._created = []
         self._previous_handlers = {}
         self._made_etc_netns = False
+        self._closing = False
         self._deferred_signal = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
-                self._previous_handlers[signum] = signal.signal(signum, self._interrupted)
         try:
+            if threading.current_thread() is threading.main_thread():
+                for signum in SIGNALS:
+                    previous = signal.getsignal(signum)
+                    if previous is signal.SIG_IGN:  # nohup: the run outlives its terminal
+                        continue
+                    self._previous_handlers[signum] = previous
+                    signal.signal(signum, self._on_signal)
             remove_stale_namespaces()
             self._build()
         except BaseException:
@@ -146,11 +154,11 @@ class EmulatedCluster:
     def __exit__(self, *exc_info):
         self.close()
 
-    def _interrupted(self, signum, frame):
+    def _on_signal(self, signum, frame):
+        if self._closing:  # close() is removing everything: raised once it is gone
+            self._deferred_signal = self._deferred_signal or signum
+            return
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # unwinds to close()
-
-    def _defer(self, signum, frame):
-        self._deferred_signal = signum
 
     def _build(self):
         # Each name is recorded before its namespace exists: close() deletes it, made or not.
@@ -186,28 +194,31 @@ class EmulatedCluster:
         if self.loopback_hostname:
             lines.append(f"127.0.1.1 {node.hostname}")
         lines += [f"{other.address} {other.hostname}" for other in self.nodes]
-        if not os.path.isdir("/etc/netns"):
-            os.makedirs("/etc/netns")
+        try:
+            os.mkdir("/etc/netns")
             self._made_etc_netns = True
+        except FileExistsError:  # (another run's, perhaps made at this moment)
+            pass
         os.makedirs(f"/etc/netns/{node.namespace}", exist_ok=True)
         with open(f"/etc/netns/{node.namespace}/hosts", "w") as file:
             file.write("\n".join(lines) + "\n")
 
     def close(self):
         """Ends every process in the nodes (SIGTERM, then SIGKILL after 5 s), deletes the
-        namespaces and hosts files. Safe to call twice. A signal of SIGNALS that arrives
-        meanwhile (a second Ctrl-C) is raised once everything is removed."""
-        if self._previous_handlers:
-            for signum in SIGNALS:
-                signal.signal(signum, self._defer)
+        namespaces and hosts files. Safe to call twice, and from any thread (the signal handlers
+        are put back from the main thread only). A signal of SIGNALS that arrives meanwhile (a
+        second Ctrl-C) is raised once everything is removed."""
+        self._closing = True
         try:
             self._remove_everything()
         finally:
-            for signum, handler in self._previous_handlers.items():
-                signal.signal(signum, handler)
-            self._previous_handlers.clear()
-        if self._deferred_signal is not None:
+            self._closing = False
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in self._previous_handlers.items():
+                    signal.signal(signum, handler)
+                self._previous_handlers.clear()
             signum, self._deferred_signal = self._deferred_signal, None
+        if signum is not None:
             raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     def _remove_everything(self):
