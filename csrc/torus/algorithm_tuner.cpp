@@ -169,7 +169,7 @@ std::vector<Choice> AlgorithmTuner::candidates(const DeviceTuning& tuning, int s
   std::vector<Choice> result{{Algorithm::Flat, 0}, {Algorithm::Torus, tuning.segment_bytes}};
   const int64_t top = int64_t(1) << size_class;
   if (top <= tuning.one_shot_max_bytes) result.push_back({Algorithm::Torus, 0, true});
-  auto segments = [top](int64_t size) { return (top + size - 1) / size; };
+  auto segments = [top](int64_t size) { return (top - 1) / size + 1; };  // (no overflow)
   std::vector<int64_t> counts{segments(tuning.segment_bytes)};
   for (int64_t other : tuning.alternative_segment_bytes) {
     if (std::find(counts.begin(), counts.end(), segments(other)) != counts.end()) continue;
