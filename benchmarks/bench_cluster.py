@@ -34,7 +34,7 @@ import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
 from bench_allreduce import (DEFAULT_SIZES, describe_choice, label, parse_size, time_round,
                              warm_up)
 from common import positive_int, write_csv
-from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
+from emulated_cluster import EmulatedCluster, format_outputs, parse_rate, rate_argument
 from torch_bigbatch.distributed import TorusOptions, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
 
@@ -216,7 +216,7 @@ def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=positive_int, default=2)
     parser.add_argument("--nproc-per-node", type=positive_int, default=2)
-    parser.add_argument("--rates", nargs="+", default=["none", "1gbit"],
+    parser.add_argument("--rates", nargs="+", type=rate_argument, default=["none", "1gbit"],
                         help='per-node link rates, "none" for unlimited (it calibrates the model)')
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=DEFAULT_SIZES,
@@ -235,18 +235,12 @@ def get_args_parser():
 
 
 def main():
-    parser = get_args_parser()
-    args = parser.parse_args()
+    args = get_args_parser().parse_args()
     if args.worker:
         return worker(args)
     if os.geteuid() != 0:
         sys.exit("bench_cluster.py emulates nodes with network namespaces: run it as root")
     rates = [None if rate == "none" else rate for rate in args.rates]
-    for rate in filter(None, rates):
-        try:
-            parse_rate(rate)  # a bad rate fails now, not after the first run
-        except ValueError as error:
-            parser.error(f"--rates: {error}")
     ranks = args.nodes * args.nproc_per_node
     results = {rate: measure(args.nodes, args.nproc_per_node, rate, args) for rate in rates}
     calibration = None

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from common import positive_int, write_csv
-from emulated_cluster import EmulatedCluster, format_outputs, parse_rate
+from emulated_cluster import EmulatedCluster, format_outputs, rate_argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # job arguments, steps, steps between progress lines
@@ -98,7 +98,7 @@ def main():
     parser.add_argument("--nprocs", nargs="+", type=positive_int, default=[4, 8])
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="emulated nodes the processes are spread over (root)")
-    parser.add_argument("--rates", nargs="+", default=["none"],
+    parser.add_argument("--rates", nargs="+", type=rate_argument, default=["none"],
                         help='with --nodes: each node\'s link rate, e.g. "1gbit", or "none"')
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
@@ -108,12 +108,6 @@ def main():
         parser.error("--nodes needs root (network namespaces)")
     if args.nodes == 1 and args.rates != ["none"]:
         parser.error("--rates are the links between emulated nodes: give --nodes 2 or more")
-    for rate in args.rates:
-        try:
-            if rate != "none":
-                parse_rate(rate)  # a bad rate fails now, not after the runs before it
-        except ValueError as error:
-            parser.error(f"--rates: {error}")
     for processes in args.nprocs:
         if processes % args.nodes:
             parser.error(f"{processes} processes do not spread evenly over {args.nodes} nodes")

@@ -48,6 +48,18 @@ def parse_rate(text):
     return float(match[1]) * RATE_UNITS[match[2]]
 
 
+def rate_argument(text):
+    """An argparse type: a tc rate, as tc takes it ("1gbit"), or "none" (no limit); a bad one
+    is refused before anything runs."""
+    text = text.strip().lower()
+    if text != "none":
+        try:
+            parse_rate(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def sh(*argv):
     """Runs an ip/tc command; its stderr goes into the error when it fails. In a session of its
     own, as are the teardown's: a terminal's Ctrl-C does not end it half done."""
@@ -332,7 +344,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--rate", help='each node\'s link rate, e.g. "1gbit" (default: none)')
+    parser.add_argument("--rate", type=rate_argument, default="none",
+                        help='each node\'s link rate, e.g. "1gbit" (default: none)')
     parser.add_argument("--loopback-hostname", action="store_true",
                         help="each node's name resolves to 127.0.1.1 on itself (Debian's hosts)")
     parser.add_argument("--max-restarts", type=int, default=0)
@@ -346,15 +359,10 @@ def main():
             or not args.timeout > 0:
         parser.error("--nodes is 1 to 200, --nproc-per-node 1 or more, --max-restarts 0 or "
                      "more, --timeout above 0")
-    try:
-        if args.rate:
-            parse_rate(args.rate)
-    except ValueError as error:
-        parser.error(f"--rate: {error}")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     print(f"{args.script} on {args.nodes} emulated nodes x {args.nproc_per_node} processes; "
           "each node's output follows when the job ends", flush=True)
-    with EmulatedCluster(args.nodes, rate=args.rate,
+    with EmulatedCluster(args.nodes, rate=None if args.rate == "none" else args.rate,
                          loopback_hostname=args.loopback_hostname) as cluster:
         results = cluster.run(lambda node: cluster.torchrun(
             node, [args.script, *args.script_args], args.nproc_per_node,
