@@ -920,15 +920,15 @@ def saved_then_reduced(rank, world_size, port, algorithm):
 def inference_tensors(rank, world_size, port, algorithm):
     init(rank, world_size, port, TorusOptions(algorithm=algorithm))
     results = []
-    for numel in (10, 300_000):  # the one-shot form and the segments
+    for numel in (0, 10, 300_000):  # none, the one-shot form and the segments
         for reduced_inside in (True, False):
             with torch.inference_mode():
-                tensor = torch.full((numel,), rank + 1.0)
+                tensor = torch.full((numel, 3), rank + 1.0)[:, 1]  # a view with stride 3
                 if reduced_inside:
                     dist.all_reduce(tensor)
             if not reduced_inside:
                 dist.all_reduce(tensor)
-            results.append(tensor.unique().tolist())
+            results.append(tensor.unique().tolist() if numel else tensor.shape)
     later = torch.ones(3)
     dist.all_reduce(later)
     return results, later.tolist()
@@ -941,7 +941,7 @@ def test_inference_tensors_reduce_as_over_gloo(algorithm):
     threads ("Inplace update to inference tensor outside InferenceMode"), which failed the
     backend for every later call."""
     for results, later in run_ranks(inference_tensors, 2, algorithm):
-        assert results == [[3.0]] * 4, results
+        assert results == [(0,)] * 2 + [[3.0]] * 4, results
         assert later == [2.0] * 3
 
 
