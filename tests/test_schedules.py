@@ -146,7 +146,10 @@ def test_bad_arguments():
         LargeBatchLR(optimizer(1.0), 10, 5, warmup="linear")
     with pytest.raises(ValueError, match="decay must be one of"):
         LargeBatchLR(optimizer(1.0), 10, 5, decay="exp")
-    for iterations in ([10, 10], True, [1.5] * 5):  # True ran as 1 an epoch, 1.5 was taken
+    # True ran as 1 an epoch, 1.5 was taken; a float or a tensor raised TypeErrors
+    # that named nothing ("'float' object is not iterable").
+    for iterations in ([10, 10], True, [1.5] * 5, 234.375, torch.tensor(234),
+                       torch.tensor([10] * 5)):
         with pytest.raises(ValueError, match="iterations_per_epoch"):
             LargeBatchLR(optimizer(1.0), iterations, 5)
     with pytest.raises(ValueError, match="warmup_start_factor must be in \\[0, 1\\]"):

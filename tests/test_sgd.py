@@ -1,5 +1,6 @@
 """torch_bigbatch.optim.SGD against torch.optim.SGD, the trusted oracle."""
 
+import copy
 import itertools
 
 import pytest
@@ -364,11 +365,24 @@ def test_parameters_on_different_devices_in_one_group():
 
 def test_torch_sgd_constructor_flags():
     """foreach and fused are accepted as torch.optim.SGD accepts them (the step is fused either
-    way); differentiable=True is refused with a message that says why."""
+    way) and kept in the defaults and groups as torch keeps them, also in a copy;
+    differentiable=True is refused with a message that says why, also in a group."""
     params = make_params("cpu")
     for flags in (dict(foreach=True), dict(foreach=False), dict(fused=True), dict(fused=False),
                   dict(differentiable=False)):
-        bb.optim.SGD(params, lr=0.1, momentum=0.9, **flags)
+        ours = bb.optim.SGD(params, lr=0.1, momentum=0.9, **flags)
+        theirs = torch.optim.SGD([p.detach().clone() for p in params], lr=0.1, momentum=0.9,
+                                 **flags)
+        for key in ("foreach", "fused", "differentiable"):
+            assert ours.defaults[key] == theirs.defaults[key], key
+            assert ours.param_groups[0][key] == theirs.param_groups[0][key], key
+        assert set(copy.deepcopy(ours).param_groups[0]) == set(ours.param_groups[0])
+        assert copy.deepcopy(ours).defaults == ours.defaults
+    for optimizer_class in (bb.optim.SGD, bb.optim.LARS):
+        assert set(copy.deepcopy(optimizer_class(params)).param_groups[0]) \
+            == set(optimizer_class(params).param_groups[0])
+        with pytest.raises(ValueError, match="differentiable=True"):
+            optimizer_class([{"params": params, "differentiable": True}], lr=0.1)
     with pytest.raises(ValueError, match="differentiable=True"):
         bb.optim.SGD(params, lr=0.1, differentiable=True)
 

@@ -16,6 +16,8 @@ _NO_BUFFER, _FIRST_STEP, _UPDATE_BUFFER = range(3)  # how a launch treats moment
 # State of buffers whose first step GradScaler may have skipped: a one-element float32 tensor,
 # non-zero while every step of theirs was skipped, which the kernel reads on the device (so
 # their next real step initialises them, as torch.optim.SGD's would, without a host sync).
+# Under GradScaler the key stays in `state` once 0 (telling would take a sync); state_dict()
+# and loading leave it out.
 _PENDING = "first_step_pending"
 
 
@@ -32,6 +34,9 @@ def _check_group(group):
         raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    if group["differentiable"]:
+        raise ValueError("torch_bigbatch's SGD and LARS do not support differentiable=True: "
+                         "their fused kernel is not differentiable; use torch.optim.SGD for that")
     if group["momentum_form"] not in _MOMENTUM_FORMS:
         raise ValueError(
             f"Invalid momentum_form: {group['momentum_form']!r} (expected 'torch' or 'goyal')"
@@ -92,7 +97,9 @@ class _FusedSGD(Optimizer):
     """The fused step shared by SGD and LARS; subclasses give the public constructor."""
 
     def __init__(self, params, defaults):
-        super().__init__(params, defaults)
+        # torch.optim.SGD's groups carry it, and torch's __setstate__ adds it to the defaults
+        # of a copy: without it here a deepcopy's groups had a key the original's lacked.
+        super().__init__(params, {"differentiable": False, **defaults})
         # torch.amp.GradScaler then hands grad_scale and found_inf to step() instead of
         # unscaling: the kernel unscales and skips the step on the device, without a sync.
         self._step_supports_amp_scaling = True
@@ -291,11 +298,9 @@ class SGD(_FusedSGD):
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, momentum_form="torch", lr_correction=True):
-        if differentiable:
-            raise ValueError("torch_bigbatch.optim.SGD does not support differentiable=True: its "
-                             "fused kernel is not differentiable; use torch.optim.SGD for that")
         super().__init__(params, {
             "lr": lr, "momentum": momentum, "dampening": dampening,
             "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
             "momentum_form": momentum_form, "lr_correction": lr_correction,
+            "foreach": foreach, "fused": fused, "differentiable": differentiable,
         })

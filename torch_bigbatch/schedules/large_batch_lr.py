@@ -2,7 +2,9 @@
 
 import bisect
 import math
+from collections.abc import Iterable
 
+import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from .._checks import is_int
@@ -57,7 +59,10 @@ class LargeBatchLR(LRScheduler):
                 raise ValueError("iterations_per_epoch must be one int per epoch when the batch "
                                  f"size changes ({batch_size_schedule}), got one int")
             iterations_per_epoch = [iterations_per_epoch] * epochs
-        iterations_per_epoch = list(iterations_per_epoch)
+        # A float (len(dataset) / batch), a numpy int or a tensor: refused below, by name.
+        iterations_per_epoch = list(iterations_per_epoch) \
+            if isinstance(iterations_per_epoch, Iterable) \
+            and not isinstance(iterations_per_epoch, torch.Tensor) else [iterations_per_epoch]
         if len(iterations_per_epoch) != epochs \
                 or not all(is_int(count) and count > 0 for count in iterations_per_epoch):
             raise ValueError(f"iterations_per_epoch must be a positive int or {epochs} of them "
