@@ -24,6 +24,8 @@ import csv
 import dataclasses
 import datetime
 import faulthandler
+import fcntl
+import glob
 import importlib.util
 import math
 import multiprocessing
@@ -42,12 +44,16 @@ import torch_bigbatch as bb
 from torch_bigbatch.schedules import DistributedBatchSampler
 
 CHECKPOINT = "checkpoint.pt"
-PREVIOUS_CHECKPOINT = "checkpoint.previous.pt"  # where a new run moves an earlier one
+PREVIOUS_CHECKPOINT = "checkpoint.previous{}.pt"  # where a new run moves an earlier one
+LOCK = "job.lock"  # held by rank 0 while a run uses --output
 MODELS = ("resnet50", "resnet18", "resnet_small")  # torch_bigbatch.models
 TORCHVISION_RESNET50 = "torchvision.resnet50"
 # What a checkpoint holds that resuming reads, and its type.
 CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
                      "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
+# An epoch's training, saved before its evaluation (the checkpoint's "trained"): a run stopped
+# or failed in the evaluation resumes with it, not with the epoch's training again.
+TRAINED_FIELDS = ("train_loss", "lr", "images_per_second", "seconds")
 METRICS = ("epoch", "train_loss", "test_loss", "test_accuracy", "lr", "global_batch",
            "images_per_second", "seconds")
 
@@ -149,19 +155,24 @@ def get_args_parser():
 class RunSpan:
     """Where this run starts and where it stops: the one place of the resume and stop logic.
 
-    A run starts at its checkpoint's position (an epoch and the steps of it done; an epoch's
-    end is the next epoch's start) or at the beginning, and ends after the recipe's last epoch,
+    A run starts at its checkpoint's position (an epoch and the steps of it done; an evaluated
+    epoch's end is the next epoch's start) or at the beginning, and ends after the recipe's last epoch,
     or early, after --stop-after-epochs epochs or --stop-after-steps steps of this run (0: no
     limit). A stop on an epoch's last step still evaluates and checkpoints that epoch; a stop
     mid-epoch checkpoints the steps done.
     """
 
-    def __init__(self, iterations, epoch=0, step=0, stop_after_epochs=0, stop_after_steps=0):
-        if step == iterations[epoch]:
+    def __init__(self, iterations, epoch=0, step=0, stop_after_epochs=0, stop_after_steps=0,
+                 evaluated=True):
+        if step == iterations[epoch] and evaluated:  # else the run starts with its evaluation
             epoch, step = epoch + 1, 0
         self.iterations, self.start_epoch, self.start_step = iterations, epoch, step
         self.stop_after_epochs, self.stop_after_steps = stop_after_epochs, stop_after_steps
         self.epochs_run = self.steps_run = 0
+
+    def evaluation_only(self, epoch):
+        """`epoch` was trained before this run, which evaluates it."""
+        return self.first_step(epoch) == self.iterations[epoch]
 
     @property
     def finished(self):
@@ -324,7 +335,53 @@ def read_checkpoint(path, settings, iterations):
     if not (0 <= epoch < len(iterations) and 0 <= step <= iterations[epoch]):
         raise ValueError(f"--resume: {path} stopped at epoch {epoch} step {step}, outside this "
                          f"run's {len(iterations)} epochs: delete it, or give another --output")
+    trained = state.get("trained")
+    if trained is not None and not (isinstance(trained, dict) and step == iterations[epoch]
+                                    and set(trained) == set(TRAINED_FIELDS)):
+        raise ValueError(f"--resume: {path} is not a checkpoint of this job (its trained "
+                         "epoch): delete it, or give another --output")
     return state
+
+
+def lock_output(output):
+    """Rank 0's lock on --output for as long as the process lives: a second run in the same
+    --output (orphaned ranks of a stopped torchrun, a job started twice) wrote the same
+    checkpoint and then failed with a misleading error. Where the file system has no locks,
+    none is taken."""
+    os.makedirs(output, exist_ok=True)
+    file = open(os.path.join(output, LOCK), "a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "another process"
+        file.close()
+        raise ValueError(f"--output {output} is in use by another run of this job ({holder} "
+                         "holds its lock): wait for it to end, stop it, or give another --output")
+    except OSError:  # no locks on this file system (ENOLCK)
+        return file
+    file.truncate(0)
+    file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    file.flush()
+    return file
+
+
+def moved_checkpoints(directory):
+    """The checkpoints that new runs moved aside in `directory`, oldest first."""
+    return sorted(glob.glob(os.path.join(directory, PREVIOUS_CHECKPOINT.format("*"))),
+                  key=os.path.getmtime)
+
+
+def free_previous_name(directory):
+    """checkpoint.previous.pt, else checkpoint.previous.2.pt, ...: a name no earlier move
+    took (a second run without --resume replaced the first one's, and with it the run)."""
+    for number in range(1, 100000):
+        path = os.path.join(directory, PREVIOUS_CHECKPOINT.format(f".{number}" if number > 1
+                                                                    else ""))
+        if not os.path.exists(path):
+            return path
+    raise ValueError(f"{directory} holds 100000 moved checkpoints: clear it, or give another "
+                     "--output")
 
 
 class Setup:
@@ -374,11 +431,25 @@ class Setup:
             "--epochs": self.recipe.epochs, "--batch-per-rank": self.recipe.batch_per_rank,
             "--base-lr": self.recipe.base_lr, "--bn-group-size": self.recipe.bn_group_size,
             "--model": self.model_name, "--dataset": self.dataset,
-            "training images": len(self.train), "--seed": args.seed}
-        self.resumed = self.read_resumed(args)  # the checkpoint's contents, when resuming
+            "training images": len(self.train), "classes": self.classes, "--seed": args.seed}
+        if self.dataset == "imagenet":  # the transforms' sizes (ignored for the others)
+            self.settings.update({"--train-crop-size": args.train_crop_size,
+                                  "--val-resize-size": args.val_resize_size,
+                                  "--val-crop-size": args.val_crop_size})
+        # Before read_resumed moves a checkpoint; a folder not made yet holds none, and main()
+        # makes and locks it (a refused run makes nothing).
+        self.lock = lock_output(args.output) if self.rank == 0 and os.path.isdir(args.output) \
+            else None
+        try:
+            self.resumed = self.read_resumed(args)  # the checkpoint's contents, when resuming
+        except ValueError:
+            if self.lock:  # a refused run holds nothing (in a test, its Setup lives on)
+                self.lock.close()
+            raise
         start = (self.resumed["epoch"], self.resumed["step"]) if self.resumed else (0, 0)
         self.span = RunSpan(self.iterations, *start, args.stop_after_epochs,
-                            args.stop_after_steps)
+                            args.stop_after_steps,
+                            evaluated=not self.resumed or self.resumed.get("trained") is None)
 
     def read_resumed(self, args):
         """The checkpoint this run continues (with --resume, or restarted by torchrun), checked
@@ -386,12 +457,16 @@ class Setup:
         checkpoint aside (rank 0): torchrun's restarts of this run resume what they find, and
         found that one (a finished run: the job ended without training)."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        directory = os.path.dirname(self.checkpoint)
         if args.resume and not os.path.exists(self.checkpoint):
-            raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
+            moved = moved_checkpoints(directory)
+            raise ValueError(f"--resume: no checkpoint at {self.checkpoint}" + (
+                f" (a run without --resume moved an earlier one to {moved[-1]}: move it back "
+                "to resume that run)" if moved else ""))
         if (args.resume or restarted) and os.path.exists(self.checkpoint):
             return read_checkpoint(self.checkpoint, self.settings, self.iterations)
         if self.rank == 0 and os.path.exists(self.checkpoint):
-            previous = os.path.join(os.path.dirname(self.checkpoint), PREVIOUS_CHECKPOINT)
+            previous = free_previous_name(directory)
             os.replace(self.checkpoint, previous)
             print(f"{self.checkpoint}: an earlier run's checkpoint, moved to {previous} (pass "
                   "--resume to continue a run)", flush=True)
@@ -480,7 +555,7 @@ def train_one_epoch(model, criterion, optimizer, scheduler, loader, epoch, epoch
                   f"loss {loss.item():.4f} lr {lr:.4g} batch {schedule(epoch)} "
                   f"{rate:.0f} img/s ETA {format_seconds(left / rate)}", flush=True)
         stopping = span.stop_after_step()
-        # At the epoch's last step, the epoch-end checkpoint (after evaluation) does it all.
+        # At the epoch's last step, the epoch-end checkpoints (before and after evaluation) do.
         if not last and (stopping or args.checkpoint_every
                          and (step + 1) % args.checkpoint_every == 0):
             save(epoch, step + 1, epoch_loss)
@@ -611,6 +686,8 @@ def main(args):
         faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         setup = Setup(args)
+        if setup.rank == 0 and setup.lock is None:
+            setup.lock = lock_output(args.output)
     except ValueError as error:  # one message per node, before any process group
         get_args_parser().error(str(error))
     recipe, schedule, device, span = setup.recipe, setup.schedule, setup.device, setup.span
@@ -632,7 +709,8 @@ def main(args):
     # before the rendezvous left the others waiting in it for the whole timeout.
     check_same_start((span.start_epoch, span.start_step), device)
     if span.finished:
-        if setup.rank == 0:
+        if setup.rank == 0:  # its metrics again: a stop after the last checkpoint lost them
+            write_metrics(args.output, setup.resumed["metrics"])
             print(f"{setup.checkpoint} holds a finished run: nothing to resume (metrics in "
                   f"{args.output})", flush=True)
         dist.barrier()
@@ -676,7 +754,7 @@ def main(args):
     test_loader = data_loader(setup.test, BatchSampler(shard.tolist(), test_batch, False),
                               setup, args)
 
-    def save(epoch, step, epoch_loss):
+    def save(epoch, step, epoch_loss, trained=None):
         """Every rank calls it at the same steps: it sums the epoch's losses over the ranks."""
         total = epoch_loss.clone()
         dist.all_reduce(total)
@@ -685,36 +763,47 @@ def main(args):
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
                 "epoch_loss": total, "metrics": rows, "settings": setup.settings,
+                "trained": trained,
                 "args": vars(args), "recipe": dataclasses.asdict(recipe)})
 
     if setup.rank == 0:
         resumed = f", resumed at epoch {span.start_epoch + 1} step {span.start_step}" \
             if setup.resumed else ""
+        if setup.resumed and span.evaluation_only(span.start_epoch):
+            resumed += " (trained, not yet evaluated)"
         print(f"{recipe.name}: {setup.model_name} on {setup.dataset} ({len(setup.train)} "
               f"images), {setup.world_size} x {device.type}, backend {describe_backend()}, "
               f"global batch {schedule(0)} (LR {recipe.peak_lr(setup.world_size):.4g}), "
               f"{recipe.epochs} epochs{resumed}", flush=True)
     stopped_mid_epoch = False
     for epoch in span.epochs():
-        epoch_start = time.time()
-        epoch_loss = resumed_loss.clone() if epoch == span.start_epoch else zero_loss()
-        lr, stopped_mid_epoch = train_one_epoch(ddp, criterion, optimizer, scheduler,
-                                                train_loader, epoch, epoch_loss, setup, args, save)
-        if stopped_mid_epoch:
-            break
-        train_seconds = time.time() - epoch_start
-        train_loss = epoch_loss.clone()
-        dist.all_reduce(train_loss)
+        steps = setup.iterations[epoch]
+        if span.evaluation_only(epoch):
+            trained = setup.resumed["trained"]
+        else:
+            epoch_start = time.time()
+            epoch_loss = resumed_loss.clone() if epoch == span.start_epoch else zero_loss()
+            lr, stopped_mid_epoch = train_one_epoch(ddp, criterion, optimizer, scheduler,
+                                                    train_loader, epoch, epoch_loss, setup, args,
+                                                    save)
+            if stopped_mid_epoch:
+                break
+            train_seconds = time.time() - epoch_start
+            train_loss = epoch_loss.clone()
+            dist.all_reduce(train_loss)
+            trained = {"train_loss": (train_loss / (setup.world_size * steps)).item(), "lr": lr,
+                       "images_per_second": (steps - span.first_step(epoch)) * schedule(epoch)
+                       / train_seconds, "seconds": train_seconds}
+            save(epoch, steps, zero_loss(), trained)  # kept if the evaluation fails
+        evaluation_start = time.time()
         for buffer in model.buffers():  # every rank evaluates rank 0's (checkpointed) statistics
             dist.broadcast(buffer, src=0)
         test_loss, accuracy = evaluate(model, test_loader, device)
-        steps = setup.iterations[epoch]
-        rows.append({"epoch": epoch + 1,
-                     "train_loss": (train_loss / (setup.world_size * steps)).item(),
+        rows.append({"epoch": epoch + 1, "train_loss": trained["train_loss"],
                      "test_loss": test_loss, "test_accuracy": accuracy,
-                     "lr": lr, "global_batch": schedule(epoch),
-                     "images_per_second": (steps - span.first_step(epoch)) * schedule(epoch)
-                     / train_seconds, "seconds": time.time() - epoch_start})
+                     "lr": trained["lr"], "global_batch": schedule(epoch),
+                     "images_per_second": trained["images_per_second"],
+                     "seconds": trained["seconds"] + time.time() - evaluation_start})
         save(epoch, steps, zero_loss())
         if setup.rank == 0:
             write_metrics(args.output, rows)

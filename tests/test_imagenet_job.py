@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from conftest import CUDA, needs_cuda
-from train_job import torchrun
+from train_job import run_single, torchrun
 
 import torch_bigbatch as bb
 
@@ -103,6 +103,12 @@ def test_imagenet_job_trains_evaluates_and_resumes_bit_for_bit(image_folder, tmp
                       timeout=600)
     assert "resumed at epoch 2 step 2" in stdout
     assert_same_end(straight, split)
+    # Other crops are another run: refused by name (they were taken), before a process group.
+    refused = run_single([*CPU_JOB, "--data", image_folder, "--output", split, "--resume",
+                          "--train-crop-size", "48"], world_size=2)
+    assert refused.returncode == 2
+    assert "written with --train-crop-size 64; this run has --train-crop-size 48" \
+        in refused.stderr, refused.stderr
 
 
 def test_torchvisions_resnet50_in_the_job(image_folder, tmp_path):

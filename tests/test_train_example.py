@@ -161,6 +161,77 @@ def test_a_new_run_moves_an_earlier_runs_checkpoint_aside(tmp_path):
     assert "resumed at epoch 1 step 1" in restarted.stdout, restarted.stdout
 
 
+def test_runs_without_resume_never_replace_a_moved_checkpoint(tmp_path):
+    """A second run without --resume replaced checkpoint.previous.pt, the first run's only
+    copy; and --resume after such a run said only "no checkpoint"."""
+    output = tmp_path / "run"
+    args = [*TINY, "--epochs", "2", "--output", str(output)]
+    assert run_single([*args, "--stop-after-steps", "3"]).returncode == 0
+    first = (output / "checkpoint.pt").read_bytes()
+    for _ in range(2):  # --resume forgotten twice, each run stopped after a step
+        assert run_single([*args, "--stop-after-steps", "1"]).returncode == 0
+    assert (output / "checkpoint.previous.pt").read_bytes() == first
+    assert (output / "checkpoint.previous.2.pt").exists()
+    os.remove(output / "checkpoint.pt")
+    refused = run_single([*args, "--resume"])
+    assert refused.returncode == 2
+    assert f"moved an earlier one to {output / 'checkpoint.previous.2.pt'}" in refused.stderr
+
+
+def test_a_second_run_in_a_used_output_is_refused(tmp_path):
+    """A run whose --output another run holds (here the lock taken as rank 0 takes it) is
+    refused by name: two such runs wrote one checkpoint and failed with a misleading error."""
+    import fcntl
+    output = tmp_path / "run"
+    output.mkdir()
+    with open(output / "job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("pid 12345 on somewhere\n")
+        lock.flush()
+        refused = run_single([*TINY, "--epochs", "1", "--output", str(output)])
+    assert refused.returncode == 2
+    assert "is in use by another run of this job (pid 12345 on somewhere holds" in refused.stderr
+    assert run_single([*TINY, "--epochs", "1", "--output", str(output)]).returncode == 0
+
+
+FAILING_EVALUATION = """import sys
+sys.path.insert(0, {directory!r})
+import train_resnet50 as job
+def evaluate(*args):
+    raise RuntimeError("evaluation failed")
+job.evaluate = evaluate
+job.main(job.get_args_parser().parse_args({args!r}))
+"""
+
+
+def test_an_epoch_whose_evaluation_failed_resumes_with_the_evaluation(tmp_path):
+    """The epoch-end checkpoint came after the evaluation: a failure in it (an unreadable
+    val/ image) lost the epoch's training, which a resume ran again. Now the epoch is saved
+    before its evaluation, a resume evaluates it, and the run ends as a straight one does."""
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    job = [*TINY, "--epochs", "2", "--use-deterministic-algorithms"]
+    assert run_single([*job, "--output", straight]).returncode == 0
+    failed = subprocess.run(
+        [sys.executable, "-c", FAILING_EVALUATION.format(
+            directory=os.path.dirname(SCRIPT), args=[*job, "--output", split])],
+        capture_output=True, text=True, timeout=60, env=process_environment())
+    assert failed.returncode != 0 and "evaluation failed" in failed.stderr
+    state = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=False)
+    assert (state["epoch"], state["step"]) == (0, 8) and state["trained"] is not None
+    resumed = run_single([*job, "--output", split, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at epoch 1 step 8 (trained, not yet evaluated)" in resumed.stdout
+    assert "train loss" in resumed.stdout and "finished after epoch 2" in resumed.stdout
+    a = torch.load(os.path.join(straight, "checkpoint.pt"), weights_only=False)
+    b = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=False)
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for row, same in zip(a["metrics"], b["metrics"], strict=True):
+        for key in ("train_loss", "test_loss", "test_accuracy", "lr", "global_batch"):
+            assert row[key] == same[key], key
+    assert [row["epoch"] for row in metrics(split)] == ["1", "2"]
+
+
 def test_one_plain_process_needs_no_port(tmp_path):
     """`python train_resnet50.py` without torchrun keeps its rendezvous in the process: two at
     once both run (a fixed port 29500 made the second fail with EADDRINUSE)."""
@@ -183,9 +254,11 @@ def test_resuming_a_finished_run(tmp_path):
     nothing, and rank 0 then failed with a rendezvous timeout that named no cause."""
     args = [*TINY, "--epochs", "1", "--output", str(tmp_path / "run")]
     assert run_single(args).returncode == 0
+    os.remove(tmp_path / "run" / "metrics.csv")  # a stop after the last checkpoint
     again = run_single([*args, "--resume"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds a finished run: nothing to resume" in again.stdout
+    assert [row["epoch"] for row in metrics(tmp_path / "run")] == ["1"]  # written again
     first = run_single([*args, "--resume"], rank=0, world_size=2)
     other = run_single([*args, "--resume"], rank=1, world_size=2)
     assert first.returncode == other.returncode == 2

@@ -30,6 +30,11 @@ def test_a_run_starts_where_its_checkpoint_stopped():
     epoch_end = train.RunSpan([4, 4, 4], epoch=0, step=4)  # the next epoch's start
     assert list(epoch_end.epochs()) == [1, 2] and epoch_end.first_step(1) == 0
     assert not epoch_end.finished and train.RunSpan([4, 4, 4], epoch=2, step=4).finished
+    assert not any(epoch_end.evaluation_only(epoch) for epoch in epoch_end.epochs())
+    # An epoch trained but not evaluated (stopped in its evaluation): the run starts with it.
+    unevaluated = train.RunSpan([4, 4, 4], epoch=2, step=4, evaluated=False)
+    assert list(unevaluated.epochs()) == [2] and unevaluated.evaluation_only(2)
+    assert not unevaluated.finished
 
 
 def start_at(rank, world_size, port, starts):
