@@ -266,6 +266,21 @@ def test_collectives_and_subgroups():
     assert run_ranks(collectives_and_subgroups, 4) == ["torus"] * 4
 
 
+def allreduce_beside_a_stale_master_addr(rank, world_size, port):
+    """A MASTER_ADDR left in the environment that the init_method URL overrides: Gloo ignores
+    it; the torus routed its device towards it and failed with a bare socket.gaierror."""
+    os.environ["MASTER_ADDR"] = "stale-host.invalid"
+    init(rank, world_size, port)
+    numbers = torch.arange(6.0) * (rank + 1)
+    dist.all_reduce(numbers)
+    return numbers.tolist()
+
+
+def test_the_rendezvous_host_comes_from_the_init_method_not_a_stale_master_addr():
+    expected = (torch.arange(6.0) * 3).tolist()
+    assert run_ranks(allreduce_beside_a_stale_master_addr, 2, deadline=60) == [expected] * 2
+
+
 class SmallConvNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -294,12 +294,31 @@ def _is_loopback(address):
     return ipaddress.ip_address(address.split("%")[0]).is_loopback
 
 
-def _gloo_address(store, rank, size):
-    """The address this rank's Gloo device binds: the one routed towards MASTER_ADDR (the
+def _rendezvous_host(store):
+    """The host of the TCPStore under `store`'s prefixes (an init_method URL's, or torchrun's
+    MASTER_ADDR), else MASTER_ADDR, else None. The store's first: Gloo ignores a MASTER_ADDR
+    left in the environment where a URL names the rendezvous, and routing towards it failed
+    (an unknown name) or chose the wrong network."""
+    for _ in range(16):  # prefixes nest a few deep
+        if isinstance(store, dist.TCPStore):
+            return store.host
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            break
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def _gloo_address(store, host, rank, size):
+    """The address this rank's Gloo device binds: the one routed towards `host` (the
     rendezvous host); on that host, where the route is a loopback one (its own name resolves to
     127.0.1.1 on Debian), the one routed towards a member that published a non-loopback address.
     torch's default, the address of the hostname, would be that loopback address too."""
-    address = _route_source(os.environ["MASTER_ADDR"])
+    try:
+        address = _route_source(host)
+    except OSError as error:
+        raise RuntimeError(f"torus: no route to the rendezvous host {host!r} ({error}); set "
+                           "GLOO_SOCKET_IFNAME to the interface of the network the ranks share "
+                           "(for example eth0)") from error
     store.set(f"torch_bigbatch/address/{rank}", address)
     if _is_loopback(address):
         for member in range(size):  # blocks until each member has published, as Gloo would
@@ -321,10 +340,11 @@ def _gloo_devices(store, rank, size):
     if interfaces:
         return ([dist.ProcessGroupGloo.create_device(interface=name)
                  for name in interfaces.split(",")], f"interface {interfaces}")
-    if os.environ.get("MASTER_ADDR"):
-        where = _gloo_address(store, rank, size)
+    host = _rendezvous_host(store)
+    if host:
+        where = _gloo_address(store, host, rank, size)
         return [dist.ProcessGroupGloo.create_device(hostname=where)], where
-    # No rendezvous host to route to (an init_method URL): the hostname's address.
+    # No rendezvous host to route to (a file:// URL): the hostname's address.
     return [dist.ProcessGroupGloo.create_default_device()], "the address of the hostname"
 
 
