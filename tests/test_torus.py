@@ -774,7 +774,8 @@ def test_killed_rank_ends_in_errors_within_timeout(collective):
     outcomes = run_ranks(killed_rank, 4, collective, deadline=60, allow_missing=(3,))
     assert outcomes[3] == ("exited", 1)
     where = {"torus": ("torus allreduce failed in the reduce-scatter along row",
-                       "torus allreduce failed in the allreduce along column",
+                       "torus allreduce failed in the reduce-scatter along column",
+                       "torus allreduce failed in the allgather along column",
                        "torus allreduce failed in the allgather along row"),
              "flat": ("torus allreduce failed in the allreduce of the whole group",),
              "allgather": ("torus allgather failed in the allgather of the whole group",)}

@@ -145,8 +145,8 @@ struct Segment {
   Split row;                     // the segment in X parts, one per row member
   Split column;                  // this rank's row part in Y pieces, one per column member
   // The phases' buffers: the other row members' parts of this rank's row part and the column
-  // members' of its piece (in the dtype), the other column member's row sum (a column of two);
-  // the one-shot exchanges' byte buffers of header regions.
+  // members' of its piece (in the dtype); the one-shot exchanges' byte buffers of header
+  // regions.
   at::Tensor row_received, column_received, column_out, column_in, row_in, row_out;
   at::Tensor row_sum;  // this rank's row part, in place: its sum along the row, then the result
   Posted column_posted, column_gather_posted, row_gather_posted;  // until their phases
@@ -264,7 +264,6 @@ void allgather(const ContextPtr& context, const SegmentPtr& segment, c10d::Backe
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment);
 void column_done(const ContextPtr& context, const SegmentPtr& segment);
-void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment);
 void after_row_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment);
 void finish(const ContextPtr& context, const SegmentPtr& segment);
@@ -272,9 +271,6 @@ void finish(const ContextPtr& context, const SegmentPtr& segment);
 int64_t row_size(const TorusShape& shape, const Segment& segment) {
   return segment.row.sizes[shape.x()];
 }
-// A column of two allreduces its row parts in one exchange (each member sends its part to the
-// other, both sum): the bytes of a reduce-scatter plus an allgather, in one step instead of two.
-bool one_shot_column(const TorusShape& shape) { return shape.rows == 2; }
 Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int64_t size) {
   return Exchange(std::vector<int64_t>(shape.rows, size), shape.y(), segment.part);
 }
@@ -447,8 +443,7 @@ void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment)
 }
 
 // Calling thread: the receives of the phases after the row reduce-scatter (see post_receives):
-// the column's contributions to this rank's piece (a column of two: the other member's row sum)
-// into scratch, the column's pieces of the result and the row's parts of it into their places.
+// the column's contributions to this rank's piece into scratch, the column's pieces of the result and the row's parts of it into their places.
 // Each arrives only after this rank sent what was in that place: a peer sends its reduced
 // part after it received this rank's contribution to it.
 void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
@@ -457,13 +452,7 @@ void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
   const int x = shape.x(), y = shape.y();
   const int64_t size = row_size(shape, *segment);
   const at::Tensor row_part = segment->part.narrow(0, segment->row.offsets[x], size);
-  if (shape.rows > 1 && one_shot_column(shape)) {
-    segment->column_out =
-        context->scratch.take(size * segment->element_size()).view(segment->dtype());
-    segment->column_posted = post_receives(context, segment, *engines.column, shape.column_ranks(),
-                                           y, {{1 - y, segment->column_out}},
-                                           Phase::ColumnAllreduce);
-  } else if (shape.rows > 1) {
+  if (shape.rows > 1) {
     const Split& pieces = segment->column;
     segment->column_received =
         context->scratch.take((shape.rows - 1) * pieces.sizes[y] * segment->element_size())
@@ -527,14 +516,16 @@ void start(const ContextPtr& context, const SegmentPtr& segment) {
 // the segment kColumnWindow before it has finished on this rank: its row allgather needs every
 // row member's column of it, so the members' flows stay within that many segments of each
 // other and end together (docs/results.md, section 3: 145 ms in 2 MiB segments). Every wait
-// is for an earlier segment, whose phases wait for none later: no cycle, on any rank.
+// is for an earlier segment, whose phases wait for none later: no cycle, on any rank. Longer
+// columns go without: a column of four ran slower with it (4 nodes x 2 at 1 Gbit/s).
 constexpr int64_t kColumnWindow = 2;
 
 void wait_for_column_turn(const ContextPtr& context, Segment& segment) {
   // A row of one has no flows to even out, and there this runs on the calling thread (start()),
   // which must not wait: an async allreduce would block its caller, and two groups' calls
   // issued in opposite orders on two ranks waited for each other until the timeout.
-  if (context->shape.columns == 1 || segment.index < kColumnWindow) return;
+  if (context->shape.columns == 1 || context->shape.rows != 2 || segment.index < kColumnWindow)
+    return;
   Call& call = *segment.call;
   std::unique_lock<std::mutex> lock(call.mutex);
   while (!call.finished_segments[segment.index - kColumnWindow]) {
@@ -563,16 +554,10 @@ void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
     finish_average(sum, call.op, shape.columns);
     return row_allgather(context, segment);
   }
-  const int y = shape.y();
-  if (one_shot_column(shape)) {
-    wait_for_column_turn(context, *segment);
-    return exchange_directly(context, segment, *context->engines.column,
-                             std::move(segment->column_posted), {{1 - y, sum}},
-                             context->column_waiter, Phase::ColumnAllreduce,
-                             after_column_allreduce);
-  }
+  wait_for_column_turn(context, *segment);
   // The column reduce-scatter, direct: the row sum's Y pieces go to the column members that
   // reduce them, from their places.
+  const int y = shape.y();
   const Split& pieces = segment->column;
   std::vector<Transfer> sends;
   for (int j = 0; j < shape.rows; ++j)
@@ -605,18 +590,6 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
 void column_done(const ContextPtr& context, const SegmentPtr& segment) {
   if (context->shape.columns > 1) return row_allgather(context, segment);
   finish(context, segment);
-}
-
-// This rank's row sum plus the other column member's, in place: the result's row part (in
-// member order: MIN and MAX of +0 and -0 give the first operand's sign).
-void after_column_allreduce(const ContextPtr& context, const SegmentPtr& segment) {
-  const TorusShape& shape = context->shape;
-  const Call& call = *segment->call;
-  reduce_in_member_order(segment->row_sum, segment->row_sum, shape.y(),
-                         segment->column_out.unsqueeze(0), call.op);
-  finish_average(segment->row_sum, call.op, shape.columns * shape.rows);
-  context->scratch.give(std::move(segment->column_out));
-  column_done(context, segment);
 }
 
 // Every rank ends a call's last segment knowing whether any two ranks' calls differed (the

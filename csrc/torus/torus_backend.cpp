@@ -78,8 +78,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
                 "torus: the row and column process groups do not match the shape ",
                 shape_.columns, "x", shape_.rows);
   }
-  TORCH_CHECK(!cpu_ || (shape_.rows > 2) == bool(cpu_->column_gather),
-              "torus: the host pipeline needs a second column group when Y > 2, and only then");
+  TORCH_CHECK(!cpu_ || (shape_.rows > 1) == bool(cpu_->column_gather),
+              "torus: the host pipeline needs a second column group when Y > 1, and only then");
   host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, delivery_order_);
   if (cuda_)
     stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_);

@@ -372,8 +372,7 @@ def _nccl_group(store, rank, size, timeout, threads):
 def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gather,
              ordered_on_host=False):
     """The whole group, the row (once per row phase) and the column (once, or once per column
-    phase with `column_gather` when the column has more than two ranks: a column of two
-    allreduces in one exchange) of `rank`, each from its own PrefixStore. Every rank builds
+    phase with `column_gather`) of `rank`, each from its own PrefixStore. Every rank builds
     them in the same order, so Gloo's connection rendezvous (which blocks until the group's
     members arrive) cannot deadlock. `ordered_on_host`: the groups' Works on CUDA tensors order
     the caller's stream only once they have run (Gloo's)."""
@@ -386,7 +385,7 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
     whole = group("whole", rank, columns * rows, threads=2)
     row_scatter = group(f"row{y}/scatter", x, columns) if columns > 1 else None
     column = group(f"column{x}", y, rows) if rows > 1 else None
-    gather = group(f"column{x}/gather", y, rows) if rows > 2 and column_gather else None
+    gather = group(f"column{x}/gather", y, rows) if rows > 1 and column_gather else None
     row_gather = group(f"row{y}/gather", x, columns) if columns > 1 else None
     return _C.TorusEngines(whole, row_scatter, column, gather, row_gather,
                            ordered_on_host=ordered_on_host)
