@@ -51,6 +51,7 @@ TORCHVISION_RESNET50 = "torchvision.resnet50"
 # What a checkpoint holds that resuming reads, and its type.
 CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
                      "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
+LATER_SETTINGS = ("classes", "--train-crop-size", "--val-resize-size", "--val-crop-size")
 # An epoch's training, saved before its evaluation (the checkpoint's "trained"): a run stopped
 # or failed in the evaluation resumes with it, not with the epoch's training again.
 TRAINED_FIELDS = ("train_loss", "lr", "images_per_second", "seconds")
@@ -191,10 +192,10 @@ class RunSpan:
         self.steps_run += 1
         return self.steps_run == self.stop_after_steps
 
-    def stop_after_epoch(self):
-        """Counts an epoch of this run; True when the run stops after it (also when the step
-        limit fell on its last step)."""
-        self.epochs_run += 1
+    def stop_after_epoch(self, trained=True):
+        """Counts an epoch this run trained (not one it only evaluated); True when the run stops
+        after it (also when the step limit fell on its last step)."""
+        self.epochs_run += trained
         return (self.epochs_run == self.stop_after_epochs
                 or 0 < self.stop_after_steps == self.steps_run)
 
@@ -324,7 +325,9 @@ def read_checkpoint(path, settings, iterations):
     if wrong:
         raise ValueError(f"--resume: {path} is not a checkpoint of this job (no valid "
                          f"{', '.join(wrong)}): delete it, or give another --output")
-    changed = [key for key in settings if state["settings"].get(key) != settings[key]]
+    # Settings recorded since 2026-11-27: a checkpoint from before lacks them, and resumes.
+    changed = [key for key in settings if state["settings"].get(key) != settings[key]
+               and (key in state["settings"] or key not in LATER_SETTINGS)]
     if changed:
         theirs = ", ".join(f"{key} {state['settings'].get(key)}" for key in changed)
         ours = ", ".join(f"{key} {settings[key]}" for key in changed)
@@ -349,7 +352,10 @@ def lock_output(output):
     checkpoint and then failed with a misleading error. Where the file system has no locks,
     none is taken."""
     os.makedirs(output, exist_ok=True)
-    file = open(os.path.join(output, LOCK), "a+")
+    try:
+        file = open(os.path.join(output, LOCK), "a+")
+    except OSError as error:  # another user's lock file, a read-only folder
+        raise ValueError(f"--output {output}: cannot open its lock file: {error}") from error
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -368,14 +374,14 @@ def lock_output(output):
 
 def moved_checkpoints(directory):
     """The checkpoints that new runs moved aside in `directory`, oldest first."""
-    return sorted(glob.glob(os.path.join(directory, PREVIOUS_CHECKPOINT.format("*"))),
-                  key=os.path.getmtime)
+    pattern = os.path.join(glob.escape(directory), PREVIOUS_CHECKPOINT.format("*"))
+    return sorted(glob.glob(pattern), key=os.path.getmtime)
 
 
 def free_previous_name(directory):
     """checkpoint.previous.pt, else checkpoint.previous.2.pt, ...: a name no earlier move
     took (a second run without --resume replaced the first one's, and with it the run)."""
-    for number in range(1, 100000):
+    for number in range(1, 100001):
         path = os.path.join(directory, PREVIOUS_CHECKPOINT.format(f".{number}" if number > 1
                                                                     else ""))
         if not os.path.exists(path):
@@ -810,7 +816,7 @@ def main(args):
             print(f"epoch {epoch + 1}: train loss {rows[-1]['train_loss']:.4f}, test loss "
                   f"{test_loss:.4f}, test accuracy {100 * accuracy:.2f}% "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
-        if span.stop_after_epoch():
+        if span.stop_after_epoch(trained=not span.evaluation_only(epoch)):
             break
     if setup.rank == 0 and stopped_mid_epoch:
         print(f"stopped after {span.steps_run} steps, checkpoint in {setup.checkpoint}",

@@ -88,3 +88,14 @@ def test_buffers_in_another_memory_format_than_the_parameters():
     torch.testing.assert_close(optimizers[0].state[weights[0]]["momentum_buffer"],
                                optimizers[1].state[weights[1]]["momentum_buffer"],
                                rtol=1e-6, atol=1e-7)
+
+
+def test_a_differentiable_torch_state_loads_as_what_our_step_does():
+    """torch.optim.SGD(differentiable=True)'s state dict: its groups' flag came along and
+    claimed a differentiable step that the fused kernel never takes."""
+    params = fresh_params()
+    theirs = torch.optim.SGD(params, lr=0.1, momentum=0.9, differentiable=True)
+    ours = bb.optim.SGD([p.detach().clone().requires_grad_() for p in params], lr=0.1,
+                        momentum=0.9)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.param_groups[0]["differentiable"] is False

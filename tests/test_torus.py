@@ -281,6 +281,30 @@ def test_the_rendezvous_host_comes_from_the_init_method_not_a_stale_master_addr(
     assert run_ranks(allreduce_beside_a_stale_master_addr, 2, deadline=60) == [expected] * 2
 
 
+def init_with_a_master_addr_on_rank_1_only(rank, world_size, port, store_path):
+    """A file:// rendezvous: rank 1 routes towards MASTER_ADDR, an unknown name; rank 0 has
+    none. The rank that raised alone left rank 0 in Gloo's rendezvous for the whole timeout."""
+    os.environ.pop("MASTER_ADDR", None)
+    if rank == 1:
+        os.environ["MASTER_ADDR"] = "stale-host.invalid"
+    start = time.monotonic()
+    try:
+        dist.init_process_group("torus", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return time.monotonic() - start, None
+
+
+def test_a_rank_without_a_route_to_the_rendezvous_host_stops_every_rank(tmp_path):
+    outcomes = run_ranks(init_with_a_master_addr_on_rank_1_only, 2, str(tmp_path / "store"),
+                         deadline=60)
+    for seconds, message in outcomes:
+        assert message is not None and seconds < 15, (seconds, message)
+        assert "not every rank can reach the rendezvous host" in message, message
+        assert "rank 1 no route to 'stale-host.invalid'" in message, message
+
+
 class SmallConvNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -152,6 +152,22 @@ def test_resume_continues_at_the_checkpoint(stopped):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_from_before_the_later_settings_resumes(stopped, tmp_path):
+    """A checkpoint written before the number of classes was recorded lacks it: refused
+    ("written with classes None"), an upgraded job could not resume its run."""
+    args, path = stopped
+    state = torch.load(path, weights_only=True)
+    for key in train.LATER_SETTINGS:
+        state["settings"].pop(key, None)
+    older = tmp_path / "older"
+    older.mkdir()
+    torch.save(state, older / "checkpoint.pt")
+    output = args.index("--output") + 1
+    setup = train.Setup(parse([*args[:output], str(older), *args[output + 1:], "--resume"]))
+    assert (setup.span.start_epoch, setup.span.start_step) == (0, 3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("changes, world_size, difference", [
     ([], 2, "world size 1; this run has world size 2"),
     (["--batch-per-rank", "64"], 1, "--batch-per-rank 32; this run has --batch-per-rank 64"),

@@ -218,7 +218,9 @@ def test_an_epoch_whose_evaluation_failed_resumes_with_the_evaluation(tmp_path):
     assert failed.returncode != 0 and "evaluation failed" in failed.stderr
     state = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=False)
     assert (state["epoch"], state["step"]) == (0, 8) and state["trained"] is not None
-    resumed = run_single([*job, "--output", split, "--resume"])
+    # --stop-after-epochs counts the epochs this run trains: the one it only evaluates is not
+    # one of them (counted, it stopped the run after that evaluation, with no training).
+    resumed = run_single([*job, "--output", split, "--resume", "--stop-after-epochs", "1"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at epoch 1 step 8 (trained, not yet evaluated)" in resumed.stdout
     assert "train loss" in resumed.stdout and "finished after epoch 2" in resumed.stdout

@@ -443,7 +443,8 @@ void after_column_one_shot(const ContextPtr& context, const SegmentPtr& segment)
 }
 
 // Calling thread: the receives of the phases after the row reduce-scatter (see post_receives):
-// the column's contributions to this rank's piece into scratch, the column's pieces of the result and the row's parts of it into their places.
+// the column's contributions to this rank's piece into scratch, the column's pieces of the
+// result and the row's parts of it into their places.
 // Each arrives only after this rank sent what was in that place: a peer sends its reduced
 // part after it received this rank's contribution to it.
 void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
@@ -536,8 +537,7 @@ void wait_for_column_turn(const ContextPtr& context, Segment& segment) {
 }
 
 // This rank's row part plus what the row members sent is the part reduced along the row, in
-// place: the result (one row), or what the column allreduces (a column of two) or
-// reduce-scatters.
+// place: the result (one row), or what the column reduce-scatters.
 void after_row_scatter(const ContextPtr& context, const SegmentPtr& segment) {
   const TorusShape& shape = context->shape;
   const Call& call = *segment->call;

@@ -308,17 +308,32 @@ def _rendezvous_host(store):
     return os.environ.get("MASTER_ADDR") or None
 
 
+def _agree_on_route(store, rank, size):
+    """The rendezvous host this rank's Gloo device routes towards (None: GLOO_SOCKET_IFNAME
+    names the interfaces, or there is no host), once every rank has a route to its own. A rank
+    without one (an unknown name in MASTER_ADDR) that raised alone left the others waiting in
+    Gloo's rendezvous for the whole timeout: all fail at once, naming the ranks and hosts."""
+    host = None if os.environ.get("GLOO_SOCKET_IFNAME") else _rendezvous_host(store)
+    problem = None
+    if host:
+        try:
+            _route_source(host)
+        except OSError as error:
+            problem = f"no route to {host!r} ({error})"
+    verdict = _compare(store, rank, size, "route", problem or "routed")
+    if verdict != "agreed":
+        raise RuntimeError(f"torus: not every rank can reach the rendezvous host ({verdict}); "
+                           "fix MASTER_ADDR, or set GLOO_SOCKET_IFNAME to the interface of the "
+                           "network the ranks share (for example eth0) on every rank")
+    return host
+
+
 def _gloo_address(store, host, rank, size):
     """The address this rank's Gloo device binds: the one routed towards `host` (the
     rendezvous host); on that host, where the route is a loopback one (its own name resolves to
     127.0.1.1 on Debian), the one routed towards a member that published a non-loopback address.
     torch's default, the address of the hostname, would be that loopback address too."""
-    try:
-        address = _route_source(host)
-    except OSError as error:
-        raise RuntimeError(f"torus: no route to the rendezvous host {host!r} ({error}); set "
-                           "GLOO_SOCKET_IFNAME to the interface of the network the ranks share "
-                           "(for example eth0)") from error
+    address = _route_source(host)
     store.set(f"torch_bigbatch/address/{rank}", address)
     if _is_loopback(address):
         for member in range(size):  # blocks until each member has published, as Gloo would
@@ -328,19 +343,19 @@ def _gloo_address(store, host, rank, size):
     return address
 
 
-def _gloo_devices(store, rank, size):
+def _gloo_devices(store, host, rank, size):
     """The Gloo device of this rank's torus groups, and where it binds: GLOO_SOCKET_IFNAME's
     interfaces when it is set (as torch's "gloo"), else the address from which this rank reaches
-    the others (see _gloo_address). One device for all of them: each device runs an event-loop
-    thread, and with one per group (five) the loops' wake-ups cost CPU time (as 4x4 on this
-    2-core machine, sharing one took the forced torus from 0.62-0.70x to 0.73-0.80x Gloo at
-    16-64 MiB and its CPU time from 1.49-1.66x to 1.28-1.39x Gloo's). A Gloo device serves
-    any number of contexts (Caffe2 shared one among all of its Gloo worlds)."""
+    the others (see _gloo_address; `host` from _agree_on_route). One device for all of them:
+    each device runs an event-loop thread, and with one per group (five) the loops' wake-ups
+    cost CPU time (as 4x4 on a 2-core machine, sharing one took the forced torus from
+    0.62-0.70x to 0.73-0.80x Gloo at 16-64 MiB and its CPU time from 1.49-1.66x to 1.28-1.39x
+    Gloo's). A Gloo device serves any number of contexts (Caffe2 shared one among all of its
+    Gloo worlds)."""
     interfaces = os.environ.get("GLOO_SOCKET_IFNAME")
     if interfaces:
         return ([dist.ProcessGroupGloo.create_device(interface=name)
                  for name in interfaces.split(",")], f"interface {interfaces}")
-    host = _rendezvous_host(store)
     if host:
         where = _gloo_address(store, host, rank, size)
         return [dist.ProcessGroupGloo.create_device(hostname=where)], where
@@ -485,7 +500,8 @@ def create_torus_backend(backend_options, pg_options=None):
         except ValueError as error:  # raised after the comparison: the others learn of it too
             refused = error
     _agree_on_settings(store, rank, size, options, pinned, refused)
-    binding = _gloo_devices(dist.PrefixStore("cpu/", store), rank, size)
+    host = _agree_on_route(store, rank, size)
+    binding = _gloo_devices(dist.PrefixStore("cpu/", store), host, rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
                    timeout, column_gather=True)
     cuda = None

@@ -117,10 +117,12 @@ class _FusedSGD(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        # Groups loaded from torch.optim.SGD (or an older version) lack our keys.
+        # Groups loaded from torch.optim.SGD (or an older version) lack our keys; one saved by
+        # torch.optim.SGD(differentiable=True) steps here as the fused kernel steps, untracked.
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            group["differentiable"] = False
         # Loading moved each pending flag to its parameter's dtype, one copy per parameter: keep
         # the ones still set as one float32 flag per device (a sync here, not in step()).
         flags = {}

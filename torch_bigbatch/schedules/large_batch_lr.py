@@ -60,13 +60,14 @@ class LargeBatchLR(LRScheduler):
                                  f"size changes ({batch_size_schedule}), got one int")
             iterations_per_epoch = [iterations_per_epoch] * epochs
         # A float (len(dataset) / batch), a numpy int or a tensor: refused below, by name.
+        given = iterations_per_epoch
         iterations_per_epoch = list(iterations_per_epoch) \
             if isinstance(iterations_per_epoch, Iterable) \
             and not isinstance(iterations_per_epoch, torch.Tensor) else [iterations_per_epoch]
         if len(iterations_per_epoch) != epochs \
                 or not all(is_int(count) and count > 0 for count in iterations_per_epoch):
             raise ValueError(f"iterations_per_epoch must be a positive int or {epochs} of them "
-                             f"(one per epoch), got {iterations_per_epoch}")
+                             f"(one per epoch), got {given!r}")
         if warmup != "none" and not 0 <= warmup_epochs <= epochs:
             raise ValueError(f"warmup_epochs must be in [0, {epochs}], got {warmup_epochs}")
         for name, value in (("warmup_start_factor", warmup_start_factor), ("gamma", gamma),
