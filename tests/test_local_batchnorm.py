@@ -203,6 +203,23 @@ def test_double_backward_raises_instead_of_returning_zeros():
         torch.autograd.grad(first.pow(2).sum(), x)
 
 
+def test_forward_mode_raises_instead_of_a_zero_tangent():
+    """torch.func.jvp through a custom op with a backward formula only gave a zero tangent; in
+    evaluation (F.batch_norm) forward mode works as torch's."""
+    x, tangent = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.randn(4, 3, 2, 2,
+                                                                           dtype=torch.float64)
+    layer = bb.nn.LocalBatchNorm2d(3, group_size=None, track_running_stats=False).double()
+    for transform in (lambda: torch.func.jvp(layer, (x,), (tangent,)),
+                      lambda: torch.func.jacfwd(layer)(x),
+                      lambda: torch.func.jvp(torch.func.vmap(layer), (x[None],), (tangent[None],))):
+        with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+            transform()
+    layer = bb.nn.LocalBatchNorm2d(3).double().eval()
+    reference = nn.BatchNorm2d(3).double().eval()
+    torch.testing.assert_close(torch.func.jvp(layer, (x,), (tangent,))[1],
+                               torch.func.jvp(reference, (x,), (tangent,))[1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])

@@ -35,11 +35,25 @@ def _checked_group_size(group_size):
     return size
 
 
+def _refuse_forward_mode():
+    """The op has a backward formula only. torch.func.jvp (and jacfwd, hessian) would carry a
+    zero tangent through a custom op without a forward-mode one, silently (torch 2.11-2.14);
+    torch.autograd.forward_ad already raises."""
+    if torch.compiler.is_compiling():
+        return
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if any(level.key() == torch._C._functorch.TransformType.Jvp for level in stack):
+        raise RuntimeError("local batch norm has no forward-mode derivative in training: "
+                           "torch.func.jvp, jacfwd and hessian cannot go through it (use "
+                           "nn.BatchNorm2d there, or reverse mode: torch.autograd.grad)")
+
+
 def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
                      momentum=0.1, eps=1e-5, group_size=32):
     """F.batch_norm with per-group statistics in training (see the module docstring)."""
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    _refuse_forward_mode()
     group_size = _checked_group_size(group_size)
     if not eps > 0:  # as F.batch_norm: a group's constant channel would give NaN
         raise ValueError(f"local batch norm eps must be positive during training, but got {eps}")
