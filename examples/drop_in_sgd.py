@@ -2,7 +2,7 @@
 
 Trains a small convnet on synthetic images (a template per class, plus noise) for a few steps with Goyal et al.'s parameter groups
 (no weight decay on biases and BatchNorm), a per-iteration warmup and torch.amp.GradScaler,
-and prints the loss. The recipe for ResNet-50 under torchrun comes in examples/ later.
+and prints the loss. The recipe for ResNet-50 under torchrun is examples/train_resnet50.py.
 
     python examples/drop_in_sgd.py [--lars]
 """

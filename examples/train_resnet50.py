@@ -662,18 +662,19 @@ def format_seconds(seconds):
 
 
 def build_model(name, classes, channels, recipe):
-    """One of torch_bigbatch's ResNets, or torchvision's ResNet-50 with the recipe's local
-    BatchNorm and zero-initialized residual BatchNorm put in."""
+    """One of torch_bigbatch's ResNets, or torchvision's ResNet-50, with the recipe's local
+    BatchNorm, zero-initialized residual BatchNorm and fc initialization put in."""
     if name == TORCHVISION_RESNET50:
         import torchvision
         model = torchvision.models.resnet50(num_classes=classes,
                                             zero_init_residual=recipe.zero_init_residual)
-        if recipe.bn_group_size == 0:
-            return model
-        return bb.nn.convert_local_batchnorm(model, recipe.bn_group_size)
-    return getattr(bb.models, name)(num_classes=classes, in_channels=channels,
-                                    bn_group_size=recipe.bn_group_size,
-                                    zero_init_residual=recipe.zero_init_residual)
+        if recipe.bn_group_size != 0:
+            model = bb.nn.convert_local_batchnorm(model, recipe.bn_group_size)
+    else:
+        model = getattr(bb.models, name)(num_classes=classes, in_channels=channels,
+                                         bn_group_size=recipe.bn_group_size,
+                                         zero_init_residual=recipe.zero_init_residual)
+    return recipe.init_fc(model)
 
 
 def describe_backend():

@@ -1,6 +1,7 @@
 """The paper presets: their numbers at a world size, and what they build."""
 
 import pytest
+import torch
 from torch import nn
 
 import torch_bigbatch as bb
@@ -64,6 +65,30 @@ def test_shortened_keeps_the_shape_of_the_schedule():
 def test_unknown_recipe():
     with pytest.raises(ValueError, match="known recipes: goyal2017, mikami2018, mlperf_lars"):
         get_recipe("nope")
+
+
+def test_bad_world_size_and_batch_are_named():
+    for world_size in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match=f"world_size must be a positive int, got {world_size}"):
+            goyal2017.peak_lr(world_size)
+    with pytest.raises(ValueError, match="goyal2017: batch_per_rank must be a positive int, got 0"):
+        goyal2017.replace(batch_per_rank=0).batch_size_schedule(8)
+    with pytest.raises(ValueError, match="set warmup_from_base_lr=True"):
+        mlperf_lars.replace(warmup="constant").build_scheduler(
+            mlperf_lars.build_optimizer(tiny_model(), 8), 10, 8)
+
+
+def test_goyal2017_draws_the_fc_weights_from_a_gaussian_of_std_0_01():
+    """Section 5.1 of the paper; the other presets keep torchvision's initialization."""
+    torch.manual_seed(0)
+    model = bb.models.resnet50(num_classes=1000)
+    before = model.fc.weight.clone()
+    assert mikami2018.init_fc(model) is model and torch.equal(model.fc.weight, before)
+    goyal2017.init_fc(model)
+    assert model.fc.weight.mean().abs() < 1e-4
+    assert model.fc.weight.std().item() == pytest.approx(0.01, rel=0.01)
+    assert model.fc.weight.abs().max() > 0.04  # a Gaussian's tail; torchvision's stays < 0.023
+    assert torch.count_nonzero(model.fc.bias) == 0
 
 
 def test_replace_keeps_presets_unchanged():

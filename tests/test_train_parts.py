@@ -191,3 +191,17 @@ def test_validation_is_scored_with_the_training_classes():
     with pytest.raises(ValueError, match="val/ has 1 classes that train/ lacks \\(d\\)"):
         train.score_with_training_classes(image_folder(["a", "d"], [0, 1]), training, "/data")
 
+
+
+def test_the_models_start_as_the_recipe_says():
+    """The job's model: the recipe's BatchNorm groups, zero gamma and fc initialization."""
+    from torch_bigbatch.recipes import goyal2017, mlperf_lars
+    torch.manual_seed(0)
+    model = train.build_model("resnet_small", 10, 1, goyal2017)
+    assert model.fc.weight.std().item() == pytest.approx(0.01, rel=0.25)
+    assert torch.count_nonzero(model.fc.bias) == 0
+    assert model.layer1[0].bn2.weight.abs().sum() == 0
+    assert model.bn1.group_size == 32
+    torch.manual_seed(0)
+    model = train.build_model("resnet_small", 10, 1, mlperf_lars)
+    assert torch.count_nonzero(model.fc.bias) > 0  # torchvision's uniform initialization

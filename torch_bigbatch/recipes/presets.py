@@ -3,12 +3,13 @@
 
 from .recipe import Recipe
 
-# Goyal et al. 2017: kn = 8k on 256 GPUs in one hour, 23.74% top-1 error (23.60% at 256).
+# Goyal et al. 2017: kn = 8k on 256 GPUs in one hour, 23.74% top-1 error (23.60% at 256);
+# section 5.1: gamma 0 in each residual block's last BatchNorm, the fc layer from N(0, 0.01).
 goyal2017 = Recipe(
     name="goyal2017", epochs=90, batch_per_rank=32, base_lr=0.1, base_batch=256,
     optimizer="sgd", momentum=0.9, nesterov=True, weight_decay=1e-4,
     warmup="gradual", warmup_epochs=5, decay="step", milestones=(30, 60, 80), gamma=0.1,
-    label_smoothing=0.0, bn_group_size=32, zero_init_residual=True)
+    label_smoothing=0.0, bn_group_size=32, zero_init_residual=True, fc_init_std=0.01)
 
 # Mikami et al. 2018 (Sony): batch-size control 34K -> 68K, label smoothing 0.1, warmup; their
 # 2D-torus allreduce is the "torus" backend. The epoch of the switch (30) and the decay

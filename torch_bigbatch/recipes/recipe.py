@@ -1,7 +1,9 @@
 """A paper's training setup as one value that scales with the world size by the linear rule."""
 
 import dataclasses
+import numbers
 
+import torch
 from torch import nn
 
 from ..optim import LARS, SGD, param_groups
@@ -39,9 +41,19 @@ class Recipe:
     label_smoothing: float = 0.0
     bn_group_size: int | None = 32  # samples per BatchNorm group; 0: nn.BatchNorm2d
     zero_init_residual: bool = True
+    fc_init_std: float | None = None  # the last layer's weights from N(0, std), bias 0 (Goyal)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    def init_fc(self, model):
+        """Draws `model.fc`'s weights from N(0, fc_init_std) and zeroes its bias (Goyal et al.,
+        section 5.1), where the recipe sets fc_init_std; returns the model."""
+        if self.fc_init_std is not None:
+            with torch.no_grad():
+                model.fc.weight.normal_(0.0, self.fc_init_std)
+                model.fc.bias.zero_()
+        return model
 
     def shortened(self, epochs):
         """The same recipe over `epochs` epochs: warmup, milestones and batch growth move in
@@ -58,6 +70,13 @@ class Recipe:
 
     def batch_size_schedule(self, world_size):
         """Global batch per epoch; every size must split evenly across the ranks."""
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) \
+                or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not self.global_batch and (not isinstance(self.batch_per_rank, numbers.Integral)
+                                      or self.batch_per_rank < 1):
+            raise ValueError(f"{self.name}: batch_per_rank must be a positive int, got "
+                             f"{self.batch_per_rank!r}")
         first = self.global_batch or self.batch_per_rank * world_size
         sizes = {0: first}
         for epoch, factor in self.batch_growth:
@@ -87,6 +106,9 @@ class Recipe:
     def build_scheduler(self, optimizer, iterations_per_epoch, world_size):
         """LargeBatchLR over `epochs`; iterations_per_epoch: one per epoch (an int where the
         batch size stays the same)."""
+        if self.warmup == "constant" and not self.warmup_from_base_lr:
+            raise ValueError(f"{self.name}: a constant warmup from 0 would train at LR 0 for "
+                             f"{self.warmup_epochs} epochs: set warmup_from_base_lr=True")
         schedule = self.batch_size_schedule(world_size)
         # From base_lr up to the peak (by the linear rule, base_batch / batch of the peak); a
         # batch below base_batch has no warmup to do.
