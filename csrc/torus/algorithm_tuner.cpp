@@ -317,9 +317,16 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
     best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + count);
   } catch (...) {
     try {
+      // The likely cause where no peer failed: ranks that issue asynchronous collectives in
+      // different orders (a p2p exchange around an async allreduce): this call waits for
+      // peers that wait for it to return.
       TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
                   describe_class(device, size_class), " failed: ",
-                  message_of(std::current_exception()));
+                  message_of(std::current_exception()),
+                  " (the call that decides a class waits until every rank's trial calls of it "
+                  "have ended: where ranks issue asynchronous collectives in different orders, "
+                  "fix the algorithm, TorusOptions(algorithm=\"flat\" or \"torus\"), or pin "
+                  "a table)");
     } catch (...) {
       failure_->record(std::current_exception());
       throw;

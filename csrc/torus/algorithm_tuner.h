@@ -22,7 +22,9 @@
 // then on the class runs it: a table lookup under the tuner's lock, no extra collective. The
 // decision blocks its call once, until the trials have ended and the ranks agreed (each wait
 // bounded by the group's timeout), and holds the lock meanwhile: the group's other calls and
-// queries wait for it too, so that calls are issued in the order they reached the tuner.
+// queries wait for it too, so that calls are issued in the order they reached the tuner. An
+// asynchronous call waits there too: ranks that issue collectives in different orders can wait
+// for each other until the timeout (README, "auto").
 //
 // Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
 // the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.
