@@ -540,9 +540,9 @@ def test_callbacks_run_in_the_order_their_collectives_were_issued(algorithm):
 
 
 def decision_inside_an_earlier_callback(rank, world_size, port):
-    """A callback of the first call makes the 16th call of a class, the one that decides it,
-    while the class's 15 trial calls were issued after the first: their futures end after
-    that callback, in the delivery order."""
+    """A callback of the first call makes the 20th call of a class, the one that decides it,
+    while the class's 15 trial calls (and the 4 while the ranks agree) were issued after the
+    first: their futures end after that callback, in the delivery order."""
     init(rank, world_size, port, seconds=10)
     issued = threading.Event()
     seconds = []
@@ -558,7 +558,7 @@ def decision_inside_an_earlier_callback(rank, world_size, port):
     # Large, so that it is still running when its callback is added (a callback added to an
     # ended future runs on this thread, which would wait for `issued` before issuing the trials).
     first = dist.all_reduce(torch.ones(4_000_000), async_op=True).get_future().then(callback)
-    trials = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(15)]
+    trials = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(15 + 4)]
     issued.set()
     value = first.wait()
     for work in trials:
@@ -1200,7 +1200,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 16 + [2_000_003] * 22 + [5] * 16
+    sizes = [300, 60_000] * 20 + [2_000_003] * 26 + [5] * 20
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -1229,7 +1229,7 @@ def test_auto_measures_and_every_rank_agrees():
     world = results[0][1]["world"]
     for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
         assert tables["world"] == world, f"rank {rank} chose otherwise"
-        assert sum(counts.values()) == 70
+        assert sum(counts.values()) == 86
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
     # 2.4 KB, 480 KB, 16 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 16 MiB and 64 bytes.
@@ -1238,8 +1238,9 @@ def test_auto_measures_and_every_rank_agrees():
         assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
         candidates = row["candidates"]
         # Above 8 MiB the torus is tried with 8 MiB, 32 MiB and 2 MiB segments (4 x 5 trial
-        # calls, then the deciding call: 21 of the 22 calls of 16 MB); up to 256 KiB with 8 MiB
-        # segments (one) and in its one-shot form (3 x 5 trial calls, then the deciding call).
+        # calls, 4 flat ones while the ranks agree, then the deciding call: 25 of the 26 calls
+        # of 16 MB); up to 256 KiB with 8 MiB segments (one) and in its one-shot form (3 x 5
+        # trial calls, 4 while the ranks agree, then the deciding call).
         segments = {64: [8 << 20, None], 4096: [8 << 20, None], 512 << 10: [8 << 20],
                     16 << 20: [8 << 20, 32 << 20, 2 << 20]}[row["max_bytes"]]
         assert [(c["algorithm"], c["segment_bytes"], c["one_shot"]) for c in candidates] == \
@@ -1258,6 +1259,9 @@ def test_auto_measures_and_every_rank_agrees():
          row["one_shot"], row["shape"]) for row in world)
 
 
+CALLS_TO_DECIDE = 15 + 4 + 1  # 3 candidates x 5 trial calls, 4 while agreeing, the deciding call
+
+
 LAG = 0.5  # seconds: how much later than the others one rank issues each call (far above a
 # call's time even on a loaded machine, so that a lag counted cannot pass for a slow call)
 
@@ -1267,7 +1271,7 @@ def lagging_rank(rank, world_size, port):
     its backward pass issues DDP's buckets late."""
     init(rank, world_size, port)
     wrong = []
-    for call in range(16):  # 3 candidates x 5 trial calls, then the deciding call
+    for call in range(CALLS_TO_DECIDE):
         if rank == 3:
             time.sleep(LAG)
         numbers = torch.full((1000,), float(rank + call))
@@ -1311,15 +1315,62 @@ def test_an_expanded_view_is_refused_before_anything_is_sent():
         assert numbers == [2.0] * 4
 
 
+def async_allreduce_around_a_p2p(rank, world_size, port):
+    """Rank 0 issues an async allreduce, then sends; rank 1 receives, then issues it: each
+    relies on the async call returning at once, as over Gloo."""
+    init(rank, world_size, port, seconds=10)
+    right = []
+    for call in range(CALLS_TO_DECIDE + 2):
+        numbers, token = torch.full((1000,), float(rank + call)), torch.zeros(1)
+        if rank == 0:
+            work = dist.all_reduce(numbers, async_op=True)
+            dist.send(token, 1)
+        else:
+            dist.recv(token, 0)
+            work = dist.all_reduce(numbers, async_op=True)
+        work.wait()
+        right.append(numbers.tolist() == [1.0 + 2 * call] * 1000)
+    return all(right), torus_algorithm(4000)
+
+
+def groups_in_opposite_orders(rank, world_size, port):
+    """Two groups' async allreduces, issued in one order on rank 0 and the other on rank 1."""
+    init(rank, world_size, port, seconds=10)
+    pair = dist.new_group([0, 1], backend="torus", timeout=datetime.timedelta(seconds=10))
+    right = []
+    for call in range(CALLS_TO_DECIDE + 2):
+        world, other = torch.full((1000,), float(rank)), torch.full((1000,), float(rank + call))
+        calls = [(world, None), (other, pair)]
+        works = [dist.all_reduce(tensor, group=group, async_op=True)
+                 for tensor, group in (calls if rank == 0 else calls[::-1])]
+        for work in works:
+            work.wait()
+        right.append(world.tolist() == [1.0] * 1000 and other.tolist() == [1.0 + 2 * call] * 1000)
+    return all(right), torus_algorithm(4000), torus_algorithm(4000, pair)
+
+
+@pytest.mark.parametrize("program", [async_allreduce_around_a_p2p, groups_in_opposite_orders])
+def test_an_async_call_that_decides_does_not_wait_for_the_other_ranks(program):
+    """The ranks agree on a class's times in the background: the call that decided, waiting for
+    the trials and the agreement itself, waited for a peer that waited for it to return, until
+    both failed at the timeout."""
+    for right, *chosen in run_ranks(program, 2, deadline=60):
+        assert right and all(algorithm in ("flat", "torus") for algorithm in chosen), chosen
+
+
 def decision_without_a_peer(rank, world_size, port):
-    """Rank 1 makes the trial calls of a size class but not the one that decides it: rank 0's
-    agreement allreduce times out."""
+    """Rank 1 makes all but the last trial call of a size class: rank 0's last one, issued
+    asynchronously, never ends, nor does the agreement, which its deciding call waits for."""
     group = init_with_group(rank, world_size, port)
-    for _ in range(15):  # 3 candidates x 5 trial calls
+    for _ in range(14):  # 3 candidates x 5 trial calls, less one
         dist.all_reduce(torch.ones(1000), group=group)
     if rank == 1:
         time.sleep(12)  # keeps its connections until rank 0 is done
         return None
+    dist.all_reduce(torch.ones(1000), group=group, async_op=True)  # the last trial
+    # While the ranks agree the class runs flat: these never end either.
+    for _ in range(4):
+        dist.all_reduce(torch.ones(1000), group=group, async_op=True)
     messages = []
     for _ in range(2):
         start = time.monotonic()
@@ -1332,16 +1383,15 @@ def decision_without_a_peer(rank, world_size, port):
 
 @pytest.mark.slow
 def test_a_failed_decision_leaves_the_backend_unusable():
-    """A decision whose agreement failed leaves it queued on some ranks and not on others: a
+    """A decision that failed may have its agreement queued on some ranks and not on others: a
     later call must not post to the group again (it once decided anew, a second agreement out of
     step with the other ranks' collectives)."""
-    (first_seconds, first), (later_seconds, later) = run_ranks(decision_without_a_peer, 2,
-                                                               deadline=60)[0]
+    (first_seconds, first), (later_seconds, later) = run_ranks(
+        decision_without_a_peer, 2, deadline=60)[0]
     assert "choosing the algorithm of cpu allreduces over 2 KiB up to 4 KiB failed" in first, first
     assert "issue asynchronous collectives in different orders, fix the algorithm" in first, first
     assert 2 < first_seconds < 3 + 5, first_seconds
-    assert later.startswith("torus backend is unusable after an earlier failure: "
-                            "torus allreduce: choosing the algorithm"), later
+    assert later.startswith("torus backend is unusable after an earlier failure: "), later
     assert later_seconds < 1, later_seconds
 
 
@@ -1351,7 +1401,7 @@ def decision_log(rank, world_size, port, folder):
     with open(path, "w") as log:
         os.dup2(log.fileno(), 2)
     init(rank, world_size, port)
-    for _ in range(16):  # 3 candidates x 5 trial calls, then the deciding call
+    for _ in range(CALLS_TO_DECIDE):
         dist.all_reduce(torch.ones(1000))
     with open(path) as log:
         return log.read(), torus_algorithm(4000)

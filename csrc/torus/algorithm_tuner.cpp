@@ -9,6 +9,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <deque>
 #include <cstdio>
 #include <iostream>
 #include <thread>
@@ -106,6 +107,168 @@ struct Trial {
   }
 };
 
+// A class's trials, and each candidate's time agreed among the ranks (see decide), made on the
+// tuner's thread (AgreementThread) or on the deciding call's.
+struct Agreement {
+  c10::DeviceType device = c10::DeviceType::CPU;
+  int size_class = 0;
+  std::vector<std::shared_ptr<Trial>> trials;
+  size_t candidates = 0;
+  Clock::time_point deadline;  // for the trials to end
+
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+  std::vector<double> seconds;  // per candidate
+  std::exception_ptr failure;   // the decision's, as recorded in the backend's failure
+
+  void end(std::vector<double> agreed, std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seconds = std::move(agreed);
+    failure = error;
+    done = true;
+    done_cv.notify_all();
+  }
+
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return failure != nullptr;
+  }
+
+  // The agreed times once the tuner's thread has them; its failure, or a timeout at `until`.
+  std::vector<double> result(Clock::time_point until) {
+    std::unique_lock<std::mutex> lock(mutex);
+    TORCH_CHECK(done_cv.wait_until(lock, until, [this] { return done; }),
+                "the ranks' agreement did not end in time");
+    if (failure) std::rethrow_exception(failure);
+    return seconds;
+  }
+};
+
+namespace {
+
+// The decision of `agreement`'s class failed with `error`: recorded as the backend's failure (no
+// later call may post to the group: its agreement may be queued on some ranks and not on
+// others), and returned.
+std::exception_ptr decision_failure(const Agreement& agreement, const std::exception_ptr& error,
+                                    BackendFailure& failure) {
+  try {
+    // The likely cause where no peer failed: ranks that issue asynchronous collectives in
+    // different orders (a p2p exchange around an async allreduce): this call waits for
+    // peers that wait for it to return.
+    TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
+                describe_class(agreement.device, agreement.size_class), " failed: ",
+                message_of(error),
+                " (the call that decides a class waits until every rank's trial calls of it "
+                "have ended: where ranks issue asynchronous collectives in different orders, "
+                "fix the algorithm, TorusOptions(algorithm=\"flat\" or \"torus\"), or pin "
+                "a table)");
+  } catch (...) {
+    failure.record(std::current_exception());
+    return std::current_exception();
+  }
+  return nullptr;  // (unreachable)
+}
+
+// Each candidate's median over this rank's timed trials, then the least over the ranks (one
+// MIN allreduce of `agree`); throws the decision's failure.
+std::vector<double> agree_on_times(Agreement& agreement, c10d::Backend& agree,
+                                   std::chrono::milliseconds timeout, BackendFailure& failure) {
+  std::vector<double> best(agreement.candidates);
+  try {
+    // After any failure the ranks' agreements may be out of step: none is posted again.
+    if (auto earlier = failure.first()) std::rethrow_exception(earlier);
+    std::vector<std::vector<double>> times(agreement.candidates);
+    for (const auto& trial : agreement.trials) {
+      const double seconds = trial->wait(agreement.deadline);
+      if (trial->call > 0) times[trial->candidate].push_back(seconds);
+    }
+    for (size_t i = 0; i < best.size(); ++i) best[i] = median(times[i]);
+    // The least median over the ranks counts, so every rank compares the same numbers. A
+    // rank's time runs from its own issue, so it includes waiting for the ranks that issue
+    // later: in a training step, their lag in the backward pass (the demo's bucket across
+    // emulated nodes at 1 Gbit/s: 36-50 ms for either algorithm, where the allreduce alone
+    // takes about 5). The rank that issues last waits for nobody. A call's least time over the
+    // ranks, taken call by call, favoured algorithms whose ranks end unevenly (the one that
+    // issued last can end first); a median over a rank's own calls does not, as each starts
+    // where its previous one ended.
+    std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MIN;
+    agree.allreduce(agreed, options)->wait(timeout);
+    best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + best.size());
+  } catch (...) {
+    std::rethrow_exception(decision_failure(agreement, std::current_exception(), failure));
+  }
+  return best;
+}
+
+}  // namespace
+
+// The tuner's thread: agrees on the classes posted to it, one after another in posting order.
+class AgreementThread {
+ public:
+  AgreementThread(c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
+                  std::shared_ptr<BackendFailure> failure)
+      : queue_(std::make_shared<Queue>()) {
+    thread_ = std::thread(run, queue_, std::move(agree), timeout, std::move(failure));
+  }
+
+  // Joined when idle; detached while it agrees (that ends within twice the timeout, and holds
+  // what it uses): a group destroyed after a peer died would otherwise wait that long.
+  ~AgreementThread() {
+    bool idle;
+    {
+      std::lock_guard<std::mutex> lock(queue_->mutex);
+      queue_->stopping = true;
+      idle = !queue_->busy;
+    }
+    queue_->ready.notify_all();
+    idle ? thread_.join() : thread_.detach();
+  }
+
+  void post(std::shared_ptr<Agreement> agreement) {
+    {
+      std::lock_guard<std::mutex> lock(queue_->mutex);
+      queue_->agreements.push_back(std::move(agreement));
+    }
+    queue_->ready.notify_all();
+  }
+
+ private:
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::deque<std::shared_ptr<Agreement>> agreements;
+    bool stopping = false, busy = false;
+  };
+
+  static void run(std::shared_ptr<Queue> queue, c10::intrusive_ptr<c10d::Backend> agree,
+                  std::chrono::milliseconds timeout, std::shared_ptr<BackendFailure> failure) {
+    while (true) {
+      std::shared_ptr<Agreement> agreement;
+      {
+        std::unique_lock<std::mutex> lock(queue->mutex);
+        queue->ready.wait(lock, [&] { return queue->stopping || !queue->agreements.empty(); });
+        if (queue->stopping) return;
+        agreement = std::move(queue->agreements.front());
+        queue->agreements.pop_front();
+        queue->busy = true;
+      }
+      try {
+        agreement->end(agree_on_times(*agreement, *agree, timeout, *failure), nullptr);
+      } catch (...) {
+        agreement->end({}, std::current_exception());
+      }
+      std::lock_guard<std::mutex> lock(queue->mutex);
+      queue->busy = false;
+    }
+  }
+
+  std::shared_ptr<Queue> queue_;
+  std::thread thread_;
+};
+
 std::string Choice::describe() const {
   if (algorithm == Algorithm::Flat) return "flat";
   if (one_shot) return "torus (one shot)";
@@ -121,6 +284,7 @@ int size_class_of(int64_t bytes) {
 AlgorithmTuner::AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda,
                                std::vector<PinnedClass> pinned,
                                c10::intrusive_ptr<c10d::Backend> agree,
+                               c10::intrusive_ptr<c10d::Backend> background,
                                std::chrono::milliseconds timeout,
                                std::shared_ptr<BackendFailure> failure, int calls_per_candidate)
     : rank_(rank),
@@ -128,6 +292,7 @@ AlgorithmTuner::AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, De
       cpu_(cpu),
       cuda_(cuda),
       agree_(std::move(agree)),
+      background_(std::move(background)),
       timeout_(timeout),
       calls_per_candidate_(calls_per_candidate),
       failure_(std::move(failure)) {
@@ -149,6 +314,8 @@ AlgorithmTuner::AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, De
     state.source = "pinned";
   }
 }
+
+AlgorithmTuner::~AlgorithmTuner() = default;
 
 const DeviceTuning& AlgorithmTuner::tuning(c10::DeviceType device) const {
   return device == c10::DeviceType::CPU ? cpu_ : cuda_;
@@ -230,7 +397,13 @@ AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t b
     state.source = "measuring";
   }
   const int64_t trials = calls_per_candidate_ * static_cast<int64_t>(state.candidates.size());
-  if (!state.decided && state.trial_calls == trials) decide(device.type(), size_class, state);
+  if (!state.decided && state.trial_calls == trials) {
+    if (state.agreement && state.calls_while_agreeing < kCallsWhileAgreeing) {
+      ++state.calls_while_agreeing;
+      return {state.candidates.front(), nullptr};  // flat, on every rank
+    }
+    decide(device.type(), size_class, state);
+  }
   if (state.decided) return {*state.decided, nullptr};
 
   auto trial = std::make_shared<Trial>();
@@ -245,7 +418,24 @@ AlgorithmTuner::Call AlgorithmTuner::measured_call(c10::Device device, int64_t b
     trial->start_event->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
   state.trials.push_back(trial);
+  if (tuning.host_clock && background_ && state.trial_calls == trials) {  // agree meanwhile
+    state.agreement = agreement(device.type(), size_class, state);
+    if (!agreements_)
+      agreements_ = std::make_unique<AgreementThread>(background_, timeout_, failure_);
+    agreements_->post(state.agreement);
+  }
   return {state.candidates[trial->candidate], trial};
+}
+
+std::shared_ptr<Agreement> AlgorithmTuner::agreement(c10::DeviceType device, int size_class,
+                                                     ClassState& state) const {
+  auto agreement = std::make_shared<Agreement>();
+  agreement->device = device;
+  agreement->size_class = size_class;
+  agreement->trials = state.trials;
+  agreement->candidates = state.candidates.size();
+  agreement->deadline = Clock::now() + timeout_;
+  return agreement;
 }
 
 void AlgorithmTuner::finish(const Call& call, const c10::intrusive_ptr<c10d::Work>& work) {
@@ -292,44 +482,18 @@ c10::Stream AlgorithmTuner::timing_stream(c10::Device device) {
 
 void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& state) {
   const size_t count = state.candidates.size();
-  const auto deadline = Clock::now() + timeout_;
   const int64_t timed = calls_per_candidate_ - 1;
-  std::vector<double> best(count);  // this rank's median per candidate, then the agreed one
-  try {
-    std::vector<std::vector<double>> times(count);
-    for (const auto& trial : state.trials) {
-      const double seconds = trial->wait(deadline);
-      if (trial->call > 0) times[trial->candidate].push_back(seconds);
-    }
-    for (size_t i = 0; i < count; ++i) best[i] = median(times[i]);
-    // The least median over the ranks counts, so every rank compares the same numbers. A
-    // rank's time runs from its own issue, so it includes waiting for the ranks that issue
-    // later: in a training step, their lag in the backward pass (the demo's bucket across
-    // emulated nodes at 1 Gbit/s: 36-50 ms for either algorithm, where the allreduce alone
-    // takes about 5). The rank that issues last waits for nobody. A call's least time over the
-    // ranks, taken call by call, favoured algorithms whose ranks end unevenly (the one that
-    // issued last can end first); a median over a rank's own calls does not, as each starts
-    // where its previous one ended.
-    std::vector<at::Tensor> agreed{at::tensor(best, at::kDouble)};
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::MIN;
-    agree_->allreduce(agreed, options)->wait(timeout_);
-    best.assign(agreed[0].data_ptr<double>(), agreed[0].data_ptr<double>() + count);
-  } catch (...) {
-    try {
-      // The likely cause where no peer failed: ranks that issue asynchronous collectives in
-      // different orders (a p2p exchange around an async allreduce): this call waits for
-      // peers that wait for it to return.
-      TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
-                  describe_class(device, size_class), " failed: ",
-                  message_of(std::current_exception()),
-                  " (the call that decides a class waits until every rank's trial calls of it "
-                  "have ended: where ranks issue asynchronous collectives in different orders, "
-                  "fix the algorithm, TorusOptions(algorithm=\"flat\" or \"torus\"), or pin "
-                  "a table)");
-    } catch (...) {
-      failure_->record(std::current_exception());
-      throw;
+  std::vector<double> best;
+  if (!state.agreement) {  // on a device: here, on this call's thread (see the header)
+    best = agree_on_times(*agreement(device, size_class, state), *agree_, timeout_, *failure_);
+  } else {
+    try {  // the tuner's thread ends it within twice the timeout after its deadline
+      best = state.agreement->result(state.agreement->deadline + 2 * timeout_ +
+                                     std::chrono::seconds(1));
+    } catch (...) {  // its own failure is the decision's, recorded; a late end is not
+      std::exception_ptr error = std::current_exception();
+      if (!state.agreement->failed()) error = decision_failure(*state.agreement, error, *failure_);
+      std::rethrow_exception(error);
     }
   }
   // The flat allreduce (candidate 0, the engine's own) keeps the class unless a torus beats it
@@ -343,6 +507,7 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   state.seconds = best;
   state.source = "measured";
   state.trials.clear();
+  state.agreement.reset();
   if (rank_ != 0) return;
   std::string times;
   for (size_t i = 0; i < count; ++i)

@@ -19,12 +19,18 @@
 // same fastest candidate (flat unless a torus beats it by 5%: see decide). The least rank's
 // time counts: a rank's time includes waiting for the ranks that issue later (in a training
 // step, their lag in the backward pass), and the rank that issues last waits for nobody. From
-// then on the class runs it: a table lookup under the tuner's lock, no extra collective. The
-// decision blocks its call once, until the trials have ended and the ranks agreed (each wait
-// bounded by the group's timeout), and holds the lock meanwhile: the group's other calls and
-// queries wait for it too, so that calls are issued in the order they reached the tuner. An
-// asynchronous call waits there too: ranks that issue collectives in different orders can wait
-// for each other until the timeout (README, "auto").
+// then on the class runs it: a table lookup under the tuner's lock, no extra collective.
+//
+// Where trials are timed on the host, the ranks agree in the background: the tuner's own thread
+// waits for a class's trials and posts its MIN allreduce on a group that only it uses, classes
+// in the order their last trial was issued (the same on every rank), while the class's next
+// kCallsWhileAgreeing calls run flat; the call after them takes the agreed times, waiting only
+// if they are not in yet. A deciding call that waited for the trials itself made an async
+// allreduce wait for peers that waited for it to return (rank 0: async allreduce, then send;
+// rank 1: recv, then allreduce): both timed out. On a device (events) the deciding call, the
+// first after the trials, still waits for them and the agreement (through the whole group). Either way a wait is bounded by the group's timeout and
+// holds the tuner's lock: the group's other calls and queries wait for it too, so that calls
+// are issued in the order they reached the tuner.
 //
 // Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
 // the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.
@@ -48,6 +54,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -55,7 +62,12 @@ namespace torch_bigbatch::torus {
 
 enum class Algorithm { Flat, Torus };
 
-struct Trial;  // one timed trial call (algorithm_tuner.cpp)
+struct Trial;      // one timed trial call (algorithm_tuner.cpp)
+struct Agreement;  // a class's trials and their agreed times (algorithm_tuner.cpp)
+class AgreementThread;
+
+// Calls of a class timed on the host that run flat while its ranks agree in the background.
+constexpr int64_t kCallsWhileAgreeing = 4;
 
 struct Choice {
   Algorithm algorithm = Algorithm::Flat;
@@ -114,12 +126,19 @@ class AlgorithmTuner {
  public:
   // rank, group: for the decision's log line (rank 0 prints it, naming the group: its ranks and
   // shape, as several groups decide alike); agree: the whole CPU group, for the
-  // one MIN allreduce of each decision; timeout: how long a decision waits for its trials;
+  // one MIN allreduce of each decision; background: a CPU group of the same ranks that only
+  // this tuner's thread uses, for the agreements in the background (none: every decision
+  // agrees on its call's thread, through `agree`); timeout: how long a decision waits for its
+  // trials;
   // failure: the backend's, which a failed decision records (begin() refuses after any).
   AlgorithmTuner(int rank, std::string group, DeviceTuning cpu, DeviceTuning cuda,
                  std::vector<PinnedClass> pinned,
-                 c10::intrusive_ptr<c10d::Backend> agree, std::chrono::milliseconds timeout,
+                 c10::intrusive_ptr<c10d::Backend> agree,
+                 c10::intrusive_ptr<c10d::Backend> background, std::chrono::milliseconds timeout,
                  std::shared_ptr<BackendFailure> failure, int calls_per_candidate = 5);
+  ~AlgorithmTuner();
+  AlgorithmTuner(const AlgorithmTuner&) = delete;
+  AlgorithmTuner& operator=(const AlgorithmTuner&) = delete;
 
   // What the allreduce of `bytes` on `device` runs. A trial call carries what times it:
   // begin() before the call is issued, finish() with its Work.
@@ -143,6 +162,8 @@ class AlgorithmTuner {
     std::vector<Choice> candidates;
     int64_t trial_calls = 0;
     std::vector<std::shared_ptr<Trial>> trials;
+    std::shared_ptr<Agreement> agreement;  // in the background: from its last trial's issue
+    int64_t calls_while_agreeing = 0;
     std::optional<Choice> decided;
     std::string source;
     std::vector<double> seconds;  // per candidate, agreed
@@ -152,13 +173,15 @@ class AlgorithmTuner {
   std::optional<Choice> fixed_choice(const DeviceTuning& tuning, int64_t bytes) const;
   Call measured_call(c10::Device device, int64_t bytes, const DeviceTuning& tuning);
   std::vector<Choice> candidates(const DeviceTuning& tuning, int size_class) const;
+  std::shared_ptr<Agreement> agreement(c10::DeviceType device, int size_class,
+                                       ClassState& state) const;
   void decide(c10::DeviceType device, int size_class, ClassState& state);
   c10::Stream timing_stream(c10::Device device);
 
   const int rank_;
   const std::string group_;
   const DeviceTuning cpu_, cuda_;
-  const c10::intrusive_ptr<c10d::Backend> agree_;
+  const c10::intrusive_ptr<c10d::Backend> agree_, background_;
   const std::chrono::milliseconds timeout_;
   const int calls_per_candidate_;  // trials: the first a warm-up
 
@@ -170,6 +193,7 @@ class AlgorithmTuner {
   std::map<std::string, int64_t> counts_;
   std::mutex streams_mutex_;  // guards timing_streams_
   std::map<c10::DeviceIndex, c10::Stream> timing_streams_;
+  std::unique_ptr<AgreementThread> agreements_;  // made at the first agreement in the background
 };
 
 }  // namespace torch_bigbatch::torus

@@ -64,8 +64,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
       cuda_(std::move(cuda)),
       tuner_(shape.rank, std::move(settings.group), on_host(settings.cpu),
              on_device(settings.cuda, cuda_),
-             std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr, settings.timeout,
-             failure_) {
+             std::move(settings.pinned), cpu_ ? cpu_->whole : nullptr,
+             std::move(settings.tuner), settings.timeout, failure_) {
   TORCH_CHECK(shape_.columns * shape_.rows == size, "torus shape ", shape_.columns, "x",
               shape_.rows, " does not match the group size ", size);
   TORCH_CHECK(cpu_, "torus: the CPU engines (Gloo) are missing: the tuner agrees through them");

@@ -26,6 +26,9 @@ struct TorusSettings {
   std::vector<PinnedClass> pinned;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string group;  // how the tuner's log line names the group ("ranks 0-3 as 2x2")
+  // The whole CPU group again, for the tuner's agreements in the background (none: it agrees
+  // on the deciding call's thread, through the whole group).
+  c10::intrusive_ptr<c10d::Backend> tuner;
 };
 
 class TorusBackend : public c10d::Backend {

@@ -129,9 +129,10 @@ void bind_torus(py::module& m) {
       .def(py::init([](int rank, int size, int columns, int rows, std::optional<Engines> cpu,
                        std::optional<Engines> cuda, const TuningSpec& cpu_tuning,
                        const TuningSpec& cuda_tuning, const std::vector<PinnedSpec>& pinned,
-                       std::chrono::milliseconds timeout, std::string group) {
+                       std::chrono::milliseconds timeout, std::string group,
+                       std::optional<c10::intrusive_ptr<c10d::Backend>> tuner) {
              TorusSettings settings{device_tuning(cpu_tuning), device_tuning(cuda_tuning), {},
-                                    timeout, std::move(group)};
+                                    timeout, std::move(group), tuner.value_or(nullptr)};
              for (const auto& [device, size_class, algorithm, segment_bytes, one_shot] : pinned) {
                settings.pinned.push_back({c10::Device(device).type(), size_class,
                                           choice(algorithm, segment_bytes, one_shot)});
@@ -142,7 +143,7 @@ void bind_torus(py::module& m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("columns"), py::arg("rows"),
            py::arg("cpu"), py::arg("cuda"), py::arg("cpu_tuning"), py::arg("cuda_tuning"),
-           py::arg("pinned"), py::arg("timeout"), py::arg("group"),
+           py::arg("pinned"), py::arg("timeout"), py::arg("group"), py::arg("tuner") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("shape",
                              [](const TorusBackend& self) {

@@ -514,10 +514,16 @@ def create_torus_backend(backend_options, pg_options=None):
         elif dist.is_nccl_available():
             cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
                             column_gather=False)
+    # The tuner's own group: it agrees on the times of classes measured on the host from a
+    # thread of its own, which must not cross the callers' collectives on the whole group.
+    tuner = None
+    if size > 1 and _tuning(options, "cpu", size)[0] == "measure":
+        tuner = _gloo_group(binding, dist.PrefixStore("cpu/tuner/", store), rank, size, timeout,
+                            1)
     ranks = getattr(backend_options, "global_ranks_in_group", None) or range(size)
     return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu", size),
                            _tuning(options, "cuda", size), pinned, timeout,
-                           f"{_describe_ranks(ranks)} as {columns}x{rows}")
+                           f"{_describe_ranks(ranks)} as {columns}x{rows}", tuner)
 
 
 def _describe_ranks(ranks):
