@@ -11,11 +11,11 @@
 // trial is timed from its issue to its end: on the host (and on engines whose device Works end
 // on the host) by the clock and the Work's future, on a device by events (the start on the
 // caller's stream, the end on a stream of the tuner's that waits for the Work), never by a host
-// sync on the call's path. The call after the trials
-// decides: each rank takes the median time of each candidate over its calls after the first
-// (a warm-up; 4 timed calls: on this shared 2-core machine a Gloo ring's time is bimodal, and
-// the best of a few calls picked its lucky mode, 2 ms against 4 ms in steady state), the ranks
-// combine them with one small MIN allreduce of the whole CPU group, and every rank picks the
+// sync on the call's path. Then the class decides (below: when and where): each rank takes
+// the median time of each candidate over its calls after the first (a warm-up; 4 timed calls:
+// on this shared 2-core machine a Gloo ring's time is bimodal, and the best of a few calls
+// picked its lucky mode, 2 ms against 4 ms in steady state), the ranks combine them with one
+// small MIN allreduce of a CPU group, and every rank picks the
 // same fastest candidate (flat unless a torus beats it by 5%: see decide). The least rank's
 // time counts: a rank's time includes waiting for the ranks that issue later (in a training
 // step, their lag in the backward pass), and the rank that issues last waits for nobody. From
