@@ -46,6 +46,11 @@ def init_with_group(rank, world_size, port, options=None, seconds=3):
                           timeout=datetime.timedelta(seconds=seconds))
 
 
+# Calls of a CPU size class up to 256 KiB until it is decided: 3 candidates x 5 trial calls, 16
+# flat while the ranks agree (kCallsWhileAgreeing), the deciding call.
+CALLS_TO_DECIDE = 15 + 16 + 1
+
+
 def rank_data(rank, numel, dtype, op, seed):
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     if dtype == torch.int64:
@@ -540,9 +545,9 @@ def test_callbacks_run_in_the_order_their_collectives_were_issued(algorithm):
 
 
 def decision_inside_an_earlier_callback(rank, world_size, port):
-    """A callback of the first call makes the 20th call of a class, the one that decides it,
-    while the class's 15 trial calls (and the 4 while the ranks agree) were issued after the
-    first: their futures end after that callback, in the delivery order."""
+    """A callback of the first call makes the call of a class that decides it, while the class's
+    15 trial calls (and the 16 while the ranks agree) were issued after the first: their
+    futures end after that callback, in the delivery order."""
     init(rank, world_size, port, seconds=10)
     issued = threading.Event()
     seconds = []
@@ -558,7 +563,8 @@ def decision_inside_an_earlier_callback(rank, world_size, port):
     # Large, so that it is still running when its callback is added (a callback added to an
     # ended future runs on this thread, which would wait for `issued` before issuing the trials).
     first = dist.all_reduce(torch.ones(4_000_000), async_op=True).get_future().then(callback)
-    trials = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(15 + 4)]
+    trials = [dist.all_reduce(torch.ones(1000), async_op=True)
+              for _ in range(CALLS_TO_DECIDE - 1)]
     issued.set()
     value = first.wait()
     for work in trials:
@@ -1200,7 +1206,7 @@ def tuned(rank, world_size, port, busy_rank):
             while not stop.is_set():
                 sum(range(1000))
         threading.Thread(target=spin, daemon=True).start()
-    sizes = [300, 60_000] * 20 + [2_000_003] * 26 + [5] * 20
+    sizes = [300, 60_000] * 32 + [2_000_003] * 38 + [5] * 32
     wrong = []
     for call, numel in enumerate(sizes):
         mine = rank_data(rank, numel, torch.float64, "SUM", seed=call)
@@ -1229,7 +1235,7 @@ def test_auto_measures_and_every_rank_agrees():
     world = results[0][1]["world"]
     for rank, (_, tables, counts) in enumerate(results):  # the same choices and the same times
         assert tables["world"] == world, f"rank {rank} chose otherwise"
-        assert sum(counts.values()) == 86
+        assert sum(counts.values()) == 134
     assert results[1][1]["pair"] == results[2][1]["pair"]
     rows = {row["max_bytes"]: row for row in world}
     # 2.4 KB, 480 KB, 16 MB and 40 bytes: classes up to 4 KiB, 512 KiB, 16 MiB and 64 bytes.
@@ -1238,9 +1244,9 @@ def test_auto_measures_and_every_rank_agrees():
         assert row["source"] == "measured" and row["algorithm"] in ("flat", "torus"), row
         candidates = row["candidates"]
         # Above 8 MiB the torus is tried with 8 MiB, 32 MiB and 2 MiB segments (4 x 5 trial
-        # calls, 4 flat ones while the ranks agree, then the deciding call: 25 of the 26 calls
+        # calls, 16 flat ones while the ranks agree, then the deciding call: 37 of the 38 calls
         # of 16 MB); up to 256 KiB with 8 MiB segments (one) and in its one-shot form (3 x 5
-        # trial calls, 4 while the ranks agree, then the deciding call).
+        # trial calls, 16 while the ranks agree, then the deciding call).
         segments = {64: [8 << 20, None], 4096: [8 << 20, None], 512 << 10: [8 << 20],
                     16 << 20: [8 << 20, 32 << 20, 2 << 20]}[row["max_bytes"]]
         assert [(c["algorithm"], c["segment_bytes"], c["one_shot"]) for c in candidates] == \
@@ -1257,9 +1263,6 @@ def test_auto_measures_and_every_rank_agrees():
     assert sorted(pinned) == sorted(
         ("cpu", (row["max_bytes"] - 1).bit_length(), row["algorithm"], row["segment_bytes"] or 0,
          row["one_shot"], row["shape"]) for row in world)
-
-
-CALLS_TO_DECIDE = 15 + 4 + 1  # 3 candidates x 5 trial calls, 4 while agreeing, the deciding call
 
 
 LAG = 0.5  # seconds: how much later than the others one rank issues each call (far above a
@@ -1368,8 +1371,8 @@ def decision_without_a_peer(rank, world_size, port):
         time.sleep(12)  # keeps its connections until rank 0 is done
         return None
     dist.all_reduce(torch.ones(1000), group=group, async_op=True)  # the last trial
-    # While the ranks agree the class runs flat: these never end either.
-    for _ in range(4):
+    # While the ranks agree the class runs flat (16 calls): these never end either.
+    for _ in range(16):
         dist.all_reduce(torch.ones(1000), group=group, async_op=True)
     messages = []
     for _ in range(2):

@@ -184,6 +184,7 @@ std::vector<double> agree_on_times(Agreement& agreement, c10d::Backend& agree,
       if (trial->call > 0) times[trial->candidate].push_back(seconds);
     }
     for (size_t i = 0; i < best.size(); ++i) best[i] = median(times[i]);
+    if (auto earlier = failure.first()) std::rethrow_exception(earlier);  // (while it waited)
     // The least median over the ranks counts, so every rank compares the same numbers. A
     // rank's time runs from its own issue, so it includes waiting for the ranks that issue
     // later: in a training step, their lag in the backward pass (the demo's bucket across
@@ -214,8 +215,8 @@ class AgreementThread {
     thread_ = std::thread(run, queue_, std::move(agree), timeout, std::move(failure));
   }
 
-  // Joined when idle; detached while it agrees (that ends within twice the timeout, and holds
-  // what it uses): a group destroyed after a peer died would otherwise wait that long.
+  // Joined when idle; detached while it agrees (each of its waits is bounded by the timeout,
+  // and it holds what it uses): a group destroyed after a peer died would otherwise wait.
   ~AgreementThread() {
     bool idle;
     {
@@ -487,7 +488,8 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   if (!state.agreement) {  // on a device: here, on this call's thread (see the header)
     best = agree_on_times(*agreement(device, size_class, state), *agree_, timeout_, *failure_);
   } else {
-    try {  // the tuner's thread ends it within twice the timeout after its deadline
+    try {  // the tuner's thread ends it within the timeout after the trials' deadline, unless
+           // an earlier class's agreement held it: a bound all the same
       best = state.agreement->result(state.agreement->deadline + 2 * timeout_ +
                                      std::chrono::seconds(1));
     } catch (...) {  // its own failure is the decision's, recorded; a late end is not

@@ -27,10 +27,13 @@
 // kCallsWhileAgreeing calls run flat; the call after them takes the agreed times, waiting only
 // if they are not in yet. A deciding call that waited for the trials itself made an async
 // allreduce wait for peers that waited for it to return (rank 0: async allreduce, then send;
-// rank 1: recv, then allreduce): both timed out. On a device (events) the deciding call, the
-// first after the trials, still waits for them and the agreement (through the whole group). Either way a wait is bounded by the group's timeout and
-// holds the tuner's lock: the group's other calls and queries wait for it too, so that calls
-// are issued in the order they reached the tuner.
+// rank 1: recv, then allreduce): both timed out; now that takes a rank issuing more than
+// kCallsWhileAgreeing calls of the class ahead of such a dependency. On a device (events) the
+// deciding call, the first after the trials, still waits for them and the agreement (through
+// the whole group). Either way the deciding call waits at most about three times the group's
+// timeout (the trials', the agreement's, and on the host a bound on both) and holds the
+// tuner's lock: the group's other calls and queries wait for it too, so that calls are issued
+// in the order they reached the tuner.
 //
 // Other modes: "torus" and "flat" fix the algorithm; a byte limit takes the torus up to it and
 // the flat allreduce above; pinned classes (a table loaded by the user) skip the trials.
@@ -67,7 +70,9 @@ struct Agreement;  // a class's trials and their agreed times (algorithm_tuner.c
 class AgreementThread;
 
 // Calls of a class timed on the host that run flat while its ranks agree in the background.
-constexpr int64_t kCallsWhileAgreeing = 4;
+// The deciding call still waits where the agreement is not in: a rank that issues more calls of
+// the class than this before it waits for a peer (which waits for it) can still time out there.
+constexpr int64_t kCallsWhileAgreeing = 16;
 
 struct Choice {
   Algorithm algorithm = Algorithm::Flat;
