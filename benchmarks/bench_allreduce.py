@@ -46,7 +46,7 @@ UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 CSV_FIELDS = ["device", "shape", "ranks", "bytes", "backend", "ms", "bus_gb_per_s",
               "speedup_vs_gloo", "runs", "cpu_ms", "cpu_vs_gloo"]
-MAX_WARM_UP_CALLS = 100  # auto decides a class after at most 4 candidates x 5 trial calls
+MAX_WARM_UP_CALLS = 100  # auto decides after 4 candidates x 5 trial calls and 16 more at most
 
 
 def warm_up(tensor, name, group):
