@@ -89,6 +89,11 @@ def test_goyal2017_draws_the_fc_weights_from_a_gaussian_of_std_0_01():
     assert model.fc.weight.std().item() == pytest.approx(0.01, rel=0.01)
     assert model.fc.weight.abs().max() > 0.04  # a Gaussian's tail; torchvision's stays < 0.023
     assert torch.count_nonzero(model.fc.bias) == 0
+    without_bias = nn.Sequential()
+    without_bias.fc = nn.Linear(8, 2, bias=False)
+    assert goyal2017.init_fc(without_bias).fc.weight.std() < 0.05
+    with pytest.raises(ValueError, match="model.fc, as an nn.Linear; got NoneType"):
+        goyal2017.init_fc(tiny_model())
 
 
 def test_replace_keeps_presets_unchanged():

@@ -9,8 +9,8 @@
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
-#include <deque>
 #include <cstdio>
+#include <deque>
 #include <iostream>
 #include <thread>
 

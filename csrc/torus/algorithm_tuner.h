@@ -57,7 +57,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <string>
 #include <vector>
 

@@ -516,12 +516,13 @@ def create_torus_backend(backend_options, pg_options=None):
                             column_gather=False)
     # The tuner's own group: it agrees on the times of classes measured on the host from a
     # thread of its own, which must not cross the callers' collectives on the whole group.
+    cpu_tuning = _tuning(options, "cpu", size)
     tuner = None
-    if size > 1 and _tuning(options, "cpu", size)[0] == "measure":
+    if size > 1 and cpu_tuning[0] == "measure":
         tuner = _gloo_group(binding, dist.PrefixStore("cpu/tuner/", store), rank, size, timeout,
                             1)
     ranks = getattr(backend_options, "global_ranks_in_group", None) or range(size)
-    return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, _tuning(options, "cpu", size),
+    return _C.TorusBackend(rank, size, columns, rows, cpu, cuda, cpu_tuning,
                            _tuning(options, "cuda", size), pinned, timeout,
                            f"{_describe_ranks(ranks)} as {columns}x{rows}", tuner)
 

@@ -1,11 +1,11 @@
 """A paper's training setup as one value that scales with the world size by the linear rule."""
 
 import dataclasses
-import numbers
 
 import torch
 from torch import nn
 
+from .._checks import is_int
 from ..optim import LARS, SGD, param_groups
 from ..schedules import BatchSizeSchedule, LargeBatchLR, linear_scaling
 
@@ -50,9 +50,14 @@ class Recipe:
         """Draws `model.fc`'s weights from N(0, fc_init_std) and zeroes its bias (Goyal et al.,
         section 5.1), where the recipe sets fc_init_std; returns the model."""
         if self.fc_init_std is not None:
+            fc = getattr(model, "fc", None)
+            if not isinstance(fc, nn.Linear):
+                raise ValueError(f"{self.name} initializes the model's last layer, model.fc, as "
+                                 f"an nn.Linear; got {type(fc).__name__}")
             with torch.no_grad():
-                model.fc.weight.normal_(0.0, self.fc_init_std)
-                model.fc.bias.zero_()
+                fc.weight.normal_(0.0, self.fc_init_std)
+                if fc.bias is not None:
+                    fc.bias.zero_()
         return model
 
     def shortened(self, epochs):
@@ -70,11 +75,10 @@ class Recipe:
 
     def batch_size_schedule(self, world_size):
         """Global batch per epoch; every size must split evenly across the ranks."""
-        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) \
-                or world_size < 1:
+        if not (is_int(world_size) and world_size >= 1):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not self.global_batch and (not isinstance(self.batch_per_rank, numbers.Integral)
-                                      or self.batch_per_rank < 1):
+        if not self.global_batch and not (is_int(self.batch_per_rank)
+                                          and self.batch_per_rank >= 1):
             raise ValueError(f"{self.name}: batch_per_rank must be a positive int, got "
                              f"{self.batch_per_rank!r}")
         first = self.global_batch or self.batch_per_rank * world_size
