@@ -30,8 +30,9 @@ from emulated_cluster import EmulatedCluster, format_outputs, rate_argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Job arguments, steps, steps between progress lines, and the step from which the rate counts:
-# after "auto" has decided the buckets' classes (a CPU class: 15 trial calls and 16 while the
-# ranks agree; the demo has one bucket per step, ResNet-50 four or five).
+# after "auto" has decided the buckets' classes (a CPU class: 5 trial calls per candidate, two
+# to four candidates, then 16 calls while the ranks agree: the demo's one 311 KB bucket per step
+# decides at its 27th call; ResNet-50 has four or five buckets per step).
 CASES = {
     "demo": (["--recipe", "goyal2017", "--dataset", "fashion-mnist", "--epochs", "5",
               "--batch-per-rank", "64"], 100, 10, 40),
