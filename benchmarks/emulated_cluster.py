@@ -1,13 +1,19 @@
 """An emulated cluster on one Linux machine: nodes as network namespaces joined by a bridge.
 
-Each node is a network namespace (bbnode<pid>-<i>) with one interface, eth0, at 10.77.0.<i+1>,
-and its own hostname (node<i>, in a UTS namespace of the command). The eth0s are veth links
-whose other ends are ports of a bridge that lives in a namespace of its own (bbbr<pid>), so the
-host's own namespace and interfaces are never touched, and traffic stays inside. An optional
-rate (tc's tbf, both directions of each link) stands for the node's NIC. The names resolve on
-every node through a per-node /etc/hosts (`ip netns exec` mounts /etc/netns/<name>/hosts over
-/etc/hosts), as a cluster's DNS would; `loopback_hostname=True` adds Debian's "127.0.1.1
-<hostname>" line first, the classic way a host's own name resolves to a loopback address.
+Each node is a network namespace (bbnode<tag>-<i>) with one interface, eth0, at 10.77.0.<i+1>.
+The eth0s are veth links whose other ends are ports of a bridge that lives in a namespace of its
+own (bbbr<tag>), so the host's own namespace and interfaces are never touched, and traffic stays
+inside. An optional rate (tc's tbf, both directions of each link) stands for the node's NIC. A
+node's command runs in namespaces of its own besides: UTS (its hostname, node<i>), mount (its
+/etc/hosts, a file of the cluster's bound over it: the names resolve on every node, as a
+cluster's DNS would; `loopback_hostname=True` adds Debian's "127.0.1.1 <hostname>" line first,
+the classic way a host's own name resolves to a loopback address) and PID (every process the
+command starts ends with it, and with the driver: nothing outlives a killed run).
+
+Ownership: a cluster claims its tag (<driver pid>-<8 random hex digits>) by making the folder
+/run/torch_bigbatch/<tag>, which holds its owner (pid and start time) and its hosts files. A
+run removes the namespaces of folders whose owner has died (a killed run's), and never touches
+a namespace of another name, nor one that is the host's.
 
 Needs root. Everything is removed on exit, on an exception, and on SIGINT, SIGTERM or SIGHUP
 (signals that arrive while it is being removed wait until it is gone).
@@ -19,6 +25,7 @@ Needs root. Everything is removed on exit, on an exception, and on SIGINT, SIGTE
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -33,6 +40,7 @@ import threading
 import time
 
 SUBNET = "10.77.0"  # a private range that exists only inside the namespaces
+RUN_DIR = "/run/torch_bigbatch"  # a folder per cluster: its owner and its hosts files
 RDZV_PORT = 29400
 COMMAND_TIMEOUT = 10  # seconds for one ip/tc call
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each tears the cluster down
@@ -70,43 +78,114 @@ def sh(*argv):
     return result.stdout
 
 
-def pid_alive(pid):
+def start_time(pid):
+    """When process `pid` started (clock ticks after boot), None where there is none: with the
+    pid it names one process, where a pid alone may have been reused."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as file:
+            return int(file.read().rsplit(")", 1)[1].split()[19])  # field 22
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def this_owner():
+    return {"pid": os.getpid(), "start": start_time(os.getpid()),
+            "pid_namespace": os.stat("/proc/self/ns/pid").st_ino}
+
+
+def owner_died(folder):
+    """Whether the run that made cluster folder `folder` has ended. A folder without a
+    readable owner (one being made, or not this module's) and an owner in another PID namespace
+    (whose pids say nothing here) count as alive: left alone."""
+    try:
+        with open(os.path.join(folder, "owner")) as file:
+            owner = json.load(file)
+        if owner["pid_namespace"] != os.stat("/proc/self/ns/pid").st_ino:
+            return False
+        return start_time(int(owner["pid"])) != owner["start"]
+    except (OSError, ValueError, KeyError, TypeError):
         return False
-    except PermissionError:
-        pass
-    return True
 
 
-def remove_stale_namespaces():
-    """Deletes the namespaces a killed run of this module left (its pid is in their name)."""
-    for line in sh("ip", "netns", "list").splitlines():
-        name = line.split()[0] if line.strip() else ""
-        match = re.fullmatch(r"bb(?:node|br)(\d+)(?:-[0-9a-f]{4})?(?:-\d+)?", name)
-        if match and not pid_alive(int(match[1])):
-            remove_namespace(name)
+def namespaces_of(tag):
+    names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+    return [name for name in names if re.fullmatch(rf"bbbr{tag}|bbnode{tag}-\d+", name)]
 
 
-def kill_processes_in(name):
+def remove_stale_clusters():
+    """Removes what killed runs of this module left: the namespaces of each cluster folder whose
+    owner has died (those named with the tag the folder claims), then the folder."""
+    with contextlib.suppress(FileNotFoundError):
+        for tag in os.listdir(RUN_DIR):
+            folder = os.path.join(RUN_DIR, tag)
+            if not re.fullmatch(r"\d+-[0-9a-f]{8}", tag) or not owner_died(folder):
+                continue
+            if all([remove_namespace(name) for name in namespaces_of(tag)]):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def is_this_namespace(name):
+    """Whether namespace `name` is the one this process runs in (the host's, for the driver):
+    a name attached to it must not have its processes killed."""
+    try:
+        named = os.stat(f"/run/netns/{name}")
+    except OSError:
+        return False
+    own = os.stat("/proc/self/ns/net")
+    return (named.st_dev, named.st_ino) == (own.st_dev, own.st_ino)
+
+
+def kill_processes_in(name, rounds=20):
     """SIGKILLs whatever runs in namespace `name` (torchrun's workers have sessions of their
-    own: ending torchrun does not end them)."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT, start_new_session=True).stdout
-        for pid in pids.split():
+    own: ending torchrun does not end them), again until none is left (one may have forked
+    meanwhile) or `rounds` have passed; whether none is left."""
+    for _ in range(rounds):
+        try:
+            pids = sh("ip", "netns", "pids", name).split()
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return False
+        if not pids:
+            return True
+        for pid in pids:
             with_signal(int(pid), signal.SIGKILL)
+        time.sleep(0.05)
+    return False
 
 
 def remove_namespace(name):
-    """Kills what still runs in namespace `name`, deletes it and its hosts file (a slow call
-    does not stop the rest)."""
-    kill_processes_in(name)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=COMMAND_TIMEOUT,
-                       start_new_session=True)
-    shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+    """Kills what runs in namespace `name`, then deletes it; whether it is gone. One whose
+    processes do not all end is kept (deleted, it would hide them from every later run), as is
+    the host's own under this name; both are reported on stderr."""
+    if is_this_namespace(name):
+        print(f"emulated_cluster: {name} names this process's own network namespace: left alone",
+              file=sys.stderr)
+        return False
+    if not kill_processes_in(name):
+        print(f"emulated_cluster: processes still run in namespace {name}: kept for the next "
+              "run to remove", file=sys.stderr)
+        return False
+    try:
+        sh("ip", "netns", "del", name)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        print(f"emulated_cluster: {error}", file=sys.stderr)
+        return False
+    return True
+
+
+def die_with_parent():
+    """For a node's command (preexec_fn): SIGKILL when the driver's thread that started it ends,
+    also by SIGKILL; the PID namespace then ends the rest of the node's processes."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def children_of(pid):
+    """The pids of `pid`'s children (a node's unshare has one: the node's command)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            return [int(child) for child in file.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def with_signal(pid, signum):
@@ -134,17 +213,14 @@ class EmulatedCluster:
         self.rate_bits = parse_rate(rate) if rate else None
         self.rate = rate
         self.loopback_hostname = loopback_hostname
-        # The pid, for remove_stale_namespaces, and a random part: a process may build several
-        # clusters, and one it leaked would hold the names of the next.
-        tag = f"{os.getpid()}-{secrets.token_hex(2)}"
-        self.bridge = f"bbbr{tag}"
-        self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i}", f"{SUBNET}.{i + 1}", f"p{i}")
-                      for i in range(nodes)]
+        self.nodes_count = nodes
+        self.folder = None  # /run/torch_bigbatch/<tag>, claimed in __enter__
+        self.bridge = None
+        self.nodes = []
         self.processes = []
-        self._created = []
+        self._created = []  # the namespaces made, in order
         self._previous_handlers = {}
-        self._made_etc_netns = False
-        self._closing = False
+        self._deferring = False  # a signal now waits until the cluster is built or removed
         self._deferred_signal = None
 
     def __enter__(self):
@@ -156,7 +232,8 @@ class EmulatedCluster:
                         continue
                     self._previous_handlers[signum] = previous
                     signal.signal(signum, self._on_signal)
-            remove_stale_namespaces()
+            remove_stale_clusters()
+            self._claim_tag()
             self._build()
         except BaseException:
             self.close()
@@ -167,20 +244,58 @@ class EmulatedCluster:
         self.close()
 
     def _on_signal(self, signum, frame):
-        if self._closing:  # close() is removing everything: raised once it is gone
+        if self._deferring:  # raised once the step under way is done (see _deferring_signals)
             self._deferred_signal = self._deferred_signal or signum
             return
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")  # unwinds to close()
 
+    @contextlib.contextmanager
+    def _deferring_signals(self):
+        """A step a signal must not cut in two (a namespace made and not yet recorded)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        signum, self._deferred_signal = self._deferred_signal, None
+        if signum is not None:
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def _claim_tag(self):
+        """Makes this cluster's folder under a fresh tag (the driver's pid, for a reader, and a
+        random part: a process may build several clusters), its owner written into it; the
+        namespaces take their names from the tag."""
+        os.makedirs(RUN_DIR, mode=0o700, exist_ok=True)
+        for _ in range(10):
+            tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                os.mkdir(os.path.join(RUN_DIR, tag))
+            except FileExistsError:
+                continue
+            self.folder = os.path.join(RUN_DIR, tag)
+            break
+        else:
+            raise RuntimeError(f"no free cluster folder in {RUN_DIR} after 10 tries")
+        with open(os.path.join(self.folder, "owner.new"), "w") as file:
+            json.dump(this_owner(), file)
+        os.rename(os.path.join(self.folder, "owner.new"), os.path.join(self.folder, "owner"))
+        self.bridge = f"bbbr{tag}"
+        self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i}", f"{SUBNET}.{i + 1}", f"p{i}")
+                      for i in range(self.nodes_count)]
+
+    def _add_namespace(self, name):
+        # Recorded only once made (a name that exists already is not this cluster's), and
+        # made and recorded before a signal unwinds to close().
+        with self._deferring_signals():
+            sh("ip", "netns", "add", name)
+            self._created.append(name)
+
     def _build(self):
-        # Each name is recorded before its namespace exists: close() deletes it, made or not.
-        self._created.append(self.bridge)
-        sh("ip", "netns", "add", self.bridge)
+        self._add_namespace(self.bridge)
         sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
         for node in self.nodes:
-            self._created.append(node.namespace)
-            sh("ip", "netns", "add", node.namespace)
+            self._add_namespace(node.namespace)
             self._write_hosts(node)
             # Created in the bridge's namespace, its peer born in the node's: never on the host.
             sh("ip", "-n", self.bridge, "link", "add", node.port, "type", "veth", "peer", "name",
@@ -206,25 +321,22 @@ class EmulatedCluster:
         if self.loopback_hostname:
             lines.append(f"127.0.1.1 {node.hostname}")
         lines += [f"{other.address} {other.hostname}" for other in self.nodes]
-        try:
-            os.mkdir("/etc/netns")
-            self._made_etc_netns = True
-        except FileExistsError:  # (another run's, perhaps made at this moment)
-            pass
-        os.makedirs(f"/etc/netns/{node.namespace}", exist_ok=True)
-        with open(f"/etc/netns/{node.namespace}/hosts", "w") as file:
+        with open(self._hosts_file(node), "w") as file:
             file.write("\n".join(lines) + "\n")
+
+    def _hosts_file(self, node):
+        return os.path.join(self.folder, f"hosts-{node.index}")
 
     def close(self):
         """Ends every process in the nodes (SIGTERM, then SIGKILL after 5 s), deletes the
         namespaces and hosts files. Safe to call twice, and from any thread (the signal handlers
         are put back from the main thread only). A signal of SIGNALS that arrives meanwhile (a
         second Ctrl-C) is raised once everything is removed."""
-        self._closing = True
+        self._deferring = True
         try:
             self._remove_everything()
         finally:
-            self._closing = False
+            self._deferring = False
             if threading.current_thread() is threading.main_thread():
                 for signum, handler in self._previous_handlers.items():
                     signal.signal(signum, handler)
@@ -235,36 +347,45 @@ class EmulatedCluster:
 
     def _remove_everything(self):
         for process in self.processes:
-            if process.poll() is None:
-                with_signal(process.pid, signal.SIGTERM)
+            if process.poll() is None:  # the command (torchrun then ends its workers)
+                for pid in children_of(process.pid) or [process.pid]:
+                    with_signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
         for process in self.processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass  # killed with the rest of its namespace below
-        for name in reversed(self._created):  # SIGKILLs whatever still runs in them
-            remove_namespace(name)
+        # SIGKILLs whatever still runs in them; one that cannot be removed keeps the folder,
+        # whose owner's end then tells a later run to remove it
+        removed = all([remove_namespace(name) for name in reversed(self._created)])
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
         self.processes.clear()
         self._created.clear()
-        if self._made_etc_netns:
-            with contextlib.suppress(OSError):  # when empty: another run may use it now
-                os.rmdir("/etc/netns")
-            self._made_etc_netns = False
+        if removed and self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
 
     def command(self, node, argv):
-        """argv as run in `node`: its network namespace, its hostname."""
-        return ["ip", "netns", "exec", node.namespace, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', node.hostname, *argv]
+        """argv as run in `node`: its network namespace, its hostname, its /etc/hosts, and a PID
+        namespace whose first process it is (unshare's child): when unshare ends (with the
+        driver: die_with_parent) that process is killed, and with it every process of the
+        namespace, which no signal from inside can end (torchrun's workers, in sessions of
+        their own, included)."""
+        return ["ip", "netns", "exec", node.namespace, "unshare", "--uts", "--mount", "--pid",
+                "--kill-child", "sh", "-c",
+                'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"',
+                node.hostname, self._hosts_file(node), *argv]
 
     def start(self, node, argv, log_path, env=None):
-        """Starts argv in `node` with stdout and stderr to log_path; close() ends it."""
+        """Starts argv in `node` with stdout and stderr to log_path; close() ends it, and so
+        does the end of the thread that called start() (the driver's main thread, usually)."""
         with open(log_path, "w") as log:
             process = subprocess.Popen(self.command(node, argv), stdout=log,
-                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=die_with_parent)
         self.processes.append(process)
         return process
 

@@ -88,11 +88,94 @@ def test_teardown_removes_namespaces_and_processes(tmp_path):
         with EmulatedCluster(2, rate="100mbit") as cluster:
             sleeper = cluster.start(cluster.nodes[1], ["sleep", "600"], tmp_path / "sleep.log")
             names = [node.namespace for node in cluster.nodes] + [cluster.bridge]
+            folder = cluster.folder
             assert set(names) <= set(namespaces())
+            assert sorted(os.listdir(folder)) == ["hosts-0", "hosts-1", "owner"]
             1 / 0
     assert sleeper.poll() is not None
     assert not set(names) & set(namespaces())
-    assert not any(os.path.exists(f"/etc/netns/{name}") for name in names)
+    assert not os.path.exists(folder)
+
+
+def test_a_node_resolves_the_names_with_its_own_hostname_and_hosts():
+    """Each node's command has its hostname and sees the cluster's names in /etc/hosts (bound
+    over it in the command's mount namespace: the host's /etc is never written)."""
+    with open("/etc/hosts") as file:
+        host_hosts = file.read()
+    etc_netns = os.path.exists("/etc/netns")
+    with EmulatedCluster(2) as cluster:
+        results = cluster.run(lambda node: ["sh", "-c", "hostname; getent hosts node0 node1"],
+                              timeout=30)
+    for index, (code, output) in enumerate(results):
+        lines = output.split()
+        assert code == 0 and lines[0] == f"node{index}", output
+        assert lines[1:] == ["10.77.0.1", "node0", "10.77.0.2", "node1"], output
+    with open("/etc/hosts") as file:
+        assert file.read() == host_hosts
+    assert os.path.exists("/etc/netns") == etc_netns
+
+
+def test_namespaces_it_did_not_make_are_left_alone():
+    """A namespace whose name looks like one of a killed run's (bbnode<a pid no process has>-0)
+    is not this module's unless a cluster folder claims it: neither it nor what runs in it is
+    touched (a run once killed its processes and deleted it)."""
+    name = "bbnode4000001-0"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        foreign = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "60"])
+        try:
+            time.sleep(0.5)
+            with EmulatedCluster(1):
+                pass
+            assert name in namespaces()
+            assert foreign.poll() is None
+        finally:
+            foreign.kill()
+            foreign.wait(timeout=10)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=10)
+
+
+def test_a_killed_driver_ends_its_nodes_processes_and_the_next_run_removes_the_rest(tmp_path):
+    """SIGKILL of the driver ends every process of its nodes (torchrun's workers would keep
+    training), and the next cluster removes the namespaces and folder it left."""
+    ready = tmp_path / "ready"
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
+        from emulated_cluster import EmulatedCluster
+        with EmulatedCluster(2) as cluster:
+            cluster.start(cluster.nodes[0], ["sh", "-c", "sleep 121 & sleep 122"], "/dev/null")
+            print(cluster.folder, flush=True)
+            time.sleep(1)
+            open({str(ready)!r}, "w").close()
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        folder = driver.stdout.readline().strip()
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), "the cluster was not built within 60 s"
+        assert len(sleeps()) == 2
+    finally:
+        driver.kill()
+        driver.wait(timeout=10)
+    left = [name for name in namespaces() if name.startswith(f"bbnode{driver.pid}-")]
+    assert len(left) == 2 and os.path.exists(folder)
+    deadline = time.monotonic() + 10
+    while sleeps() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sleeps()
+    with EmulatedCluster(1):
+        pass
+    assert not set(left) & set(namespaces())
+    assert not os.path.exists(folder)
+
+
+def sleeps():
+    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10)
+    return [line for line in listing.stdout.splitlines() if line in ("sleep 121", "sleep 122")]
 
 
 @pytest.mark.parametrize("signals", [["SIGTERM"], ["SIGHUP"], ["SIGTERM", "SIGINT"]],
