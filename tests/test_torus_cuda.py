@@ -150,6 +150,56 @@ def test_allreduce_matches_closed_form(shape, engine):
     assert checked[0] == 3 * 4 * 3 - 3
 
 
+def calls_on_one_tensor(rank, world_size, port, shape, engine):
+    """Collectives on one tensor issued back to back, none waited for, run in the order they
+    were issued, as one NCCL group's do: a torus call read the tensor while the one before still
+    wrote it (in place, and through the flat copy where a row has two or more columns and a
+    length none divides), and a broadcast after a torus call did not wait for it. The broadcast
+    first (the ranks' values differ until it has run) is left out on Gloo's CUDA engine, whose
+    two worker threads may run it beside the next call's comparison (README)."""
+    device = init(rank, world_size, port, shape, engine=engine)
+    for numel in (1 << 16, (1 << 16) + 1):
+        tensor = torch.full((numel,), float(rank + 1), device=device)
+        want = float(world_size * (world_size + 1) // 2)  # what the first allreduce sums
+        works = []
+        if engine == "nccl":
+            works.append(dist.broadcast(tensor, world_size - 1, async_op=True))
+            want = float(world_size * world_size)
+        works += [dist.all_reduce(tensor, async_op=True), dist.all_reduce(tensor, async_op=True),
+                  dist.broadcast(tensor, 0, async_op=True), dist.all_reduce(tensor, async_op=True)]
+        for work in works:
+            work.wait()
+        want *= world_size * world_size  # the two allreduces after the first
+        assert torch.equal(tensor, torch.full_like(tensor, want)), (numel, tensor.unique())
+    assert pipeline_calls() == 6
+    # Calls the pipeline cannot run (a bitwise op, which NCCL has not; a dtype outside the
+    # pipeline's) are the engine's own to reduce or refuse, for that call alone: the next
+    # allreduce runs (refused inside the pipeline, they failed the backend for every later call).
+    bits = torch.full((8,), 3 + 4 * rank, dtype=torch.int32, device=device)
+    try:
+        dist.all_reduce(bits, op=dist.ReduceOp.BAND)
+        assert torch.equal(bits, torch.full_like(bits, 3))  # 3 & 7 (& 11 & 15)
+    except (RuntimeError, ValueError) as error:
+        assert "BAND" in str(error), error
+    unusual = torch.full((8,), rank + 1, dtype=torch.uint16, device=device)
+    try:
+        dist.all_reduce(unusual)
+        assert unusual.tolist() == [world_size * (world_size + 1) // 2] * 8
+    except (RuntimeError, ValueError) as error:
+        assert "UInt16" in str(error) or "uint16" in str(error) or "type" in str(error), error
+    after = torch.full((100,), float(rank), device=device)
+    dist.all_reduce(after)
+    assert torch.equal(after, torch.full_like(after, float(sum(range(world_size)))))
+    assert pipeline_calls() == 7
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape, engine", PIPELINES)
+@pytest.mark.slow
+def test_calls_on_one_tensor_run_in_issue_order(shape, engine):
+    run_ranks(calls_on_one_tensor, shape[0] * shape[1], shape, engine, deadline=300)
+
+
 def ddp_on_gpus(rank, world_size, port, shape, engine):
     # Small buckets and segments: several allreduces of several segments overlap the backward.
     device = init(rank, world_size, port, shape, segment_bytes=256, engine=engine)

@@ -15,12 +15,16 @@ FlatBuffer::FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple)
   }
   is_copy_ = true;
   flat = at::empty({padded}, tensors_[0].options());
+}
+
+void FlatBuffer::copy_in() {
+  if (!is_copy_) return;
   int64_t offset = 0;
   for (const auto& tensor : tensors_) {
     flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()).copy_(tensor);
     offset += tensor.numel();
   }
-  flat.narrow(0, total, padded - total).zero_();
+  flat.narrow(0, offset, flat.numel() - offset).zero_();
 }
 
 std::vector<std::pair<int64_t, int64_t>> FlatBuffer::segments(int64_t segment_bytes) const {

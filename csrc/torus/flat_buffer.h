@@ -1,6 +1,7 @@
 // The one flat, padded buffer a torus allreduce works on: the tensor itself when it is
 // contiguous and its length divides by X, else a copy (non-contiguous views, lengths not
-// divisible by X, allreduce_coalesced) written back when the collective ends.
+// divisible by X, allreduce_coalesced), filled by copy_in() and written back when the
+// collective ends.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +17,8 @@ class FlatBuffer {
   // `tensors` share one dtype and device; the flat length is a multiple of `multiple`.
   FlatBuffer(std::vector<at::Tensor> tensors, int64_t multiple);
 
+  void copy_in();   // the tensors into `flat`, when it is a copy (a separate step: the device
+                    // pipeline orders it after the engine's earlier collectives)
   void copy_out();  // the result back into the tensors, when `flat` is a copy
 
   // (begin, length) of the pipelining segments of `flat`: about segment_bytes each, and a

@@ -641,6 +641,7 @@ c10::intrusive_ptr<c10d::Work> HostPipeline::allreduce(std::vector<at::Tensor> i
   auto call = std::make_shared<Call>();
   call->work = c10::make_intrusive<TorusWork>(shape.rank, op_type, inputs, context_->order);
   call->buffer = FlatBuffer(std::move(inputs), 1);
+  call->buffer.copy_in();
   call->numel = call->buffer.flat.numel();
   call->kind = call_kind(call->buffer.flat.scalar_type(), op);  // the caller's, compared
   // Gloo reduces no bool: its bytes of 0 and 1, "any" or "all" as the caller's op says (the

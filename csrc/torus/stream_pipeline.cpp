@@ -15,10 +15,12 @@ namespace torch_bigbatch::torus {
 StreamPipeline::StreamPipeline(TorusShape shape, Engines engines,
                                std::chrono::milliseconds timeout,
                                std::shared_ptr<BackendFailure> failure,
-                               std::shared_ptr<DeliveryOrder> order)
+                               std::shared_ptr<DeliveryOrder> order,
+                               std::shared_ptr<WriteOrder> writes)
     : engines_(std::move(engines)),
       context_(std::make_shared<PipelineContext>(shape, timeout, std::move(failure),
-                                                 std::move(order))) {
+                                                 std::move(order))),
+      writes_(std::move(writes)) {
   if (shape.columns > 1) active_.push_back(0);
   if (shape.rows > 1) active_.push_back(1);
   if (shape.columns > 1) active_.push_back(2);
@@ -40,16 +42,27 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
                                                          int64_t segment_bytes) {
   TORCH_INTERNAL_ASSERT(!active_.empty(), "a torus of one rank has no phases");
   TORCH_CHECK(segment_bytes > 0, "torus: segment_bytes must be positive, got ", segment_bytes);
-  TORCH_CHECK(op.op_ != c10d::ReduceOp::BAND && op.op_ != c10d::ReduceOp::BOR &&
-                  op.op_ != c10d::ReduceOp::BXOR,
-              "torus allreduce: the CUDA pipeline has no bitwise reductions (NCCL has none); "
-              "ReduceOp BAND, BOR and BXOR work on CPU tensors");
   std::lock_guard<std::mutex> ordered(enqueue_mutex_);
   context_->failure->check_usable();
   const c10::Device device = inputs.front().device();
   const DeviceStreams& streams = streams_for(device);
   DeviceWork device_work(device.type());
-  std::exception_ptr error = enqueue(inputs, op, streams, segment_bytes, device_work);
+  std::exception_ptr error;
+  try {
+    error = enqueue(inputs, op, streams, segment_bytes, device_work);
+  } catch (...) {
+    // (out of memory for a flat buffer, say) on this rank alone, perhaps before its comparison
+    // was issued: failing the pipeline keeps its next call from pairing with this one's peers.
+    error = std::current_exception();
+    // What was enqueued still runs: done comes after it, so that the watcher keeps the tensors
+    // until then and later calls on them wait for it.
+    try {
+      finish_after_phases(streams, device);
+      device_work.done->record(streams.finish);
+      writes_->record(inputs, device_work.done);
+    } catch (...) {
+    }
+  }
   auto work = c10::make_intrusive<StreamWork>(context_, op_type, std::move(inputs),
                                               std::move(device_work), streams.completion);
   // A phase that could not be enqueued fails the pipeline at once; the phases enqueued before
@@ -102,6 +115,14 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   device_work.kind = call_kind(buffer.flat.scalar_type(), op);
   std::exception_ptr error = compare_calls(first, device_work);
   device_work.buffers.insert(device_work.buffers.end(), {buffer.flat, reduced});
+  if (!error) {
+    // After the comparison, which the first stream follows (NCCL's whole group ran what was
+    // issued before it: a broadcast into these tensors, say), and after the earlier torus calls
+    // that write them (not before the comparison: the whole group's stream would wait too).
+    c10::StreamGuard on_first(first);
+    writes_->follow_writes_to(inputs, first);
+    buffer.copy_in();
+  }
 
   // AVG is summed and divided once at the end: NCCL's AVG in the row and again in the column
   // would round twice (float16 is divided first: divide_first_if_half).
@@ -149,11 +170,7 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   // the phases' own streams hold ends before done too (such a copy, where the next phase then
   // could not be enqueued; the comparison of the calls, where no phase could).
   c10::StreamGuard on_finish(streams.finish);
-  for (size_t index : active_) {
-    c10::Event queued(device.type());
-    queued.record(streams.phase[index]);
-    queued.block(streams.finish);
-  }
+  finish_after_phases(streams, device);
   for (const PhaseWork& last : latest) {
     try {
       if (last.work) engines_.follow(*last.work);
@@ -165,8 +182,17 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
     finish_average(buffer.flat, finish_op, group_size);
     buffer.copy_out();
   }
-  device_work.done.record(streams.finish);
+  device_work.done->record(streams.finish);
+  writes_->record(inputs, device_work.done);
   return error;
+}
+
+void StreamPipeline::finish_after_phases(const DeviceStreams& streams, c10::Device device) {
+  for (size_t index : active_) {
+    c10::Event queued(device.type());
+    queued.record(streams.phase[index]);
+    queued.block(streams.finish);
+  }
 }
 
 // Before any data moves, the ranks compare their calls (element count, dtype, op): one small

@@ -4,16 +4,19 @@
 // then runs on the engine's own stream; Work::synchronize() makes the current stream wait for
 // its end. The pipeline owns, per device, one stream per phase, a finish stream and a completion
 // stream; they run no collective, they only order them. Before phase p of segment k is
-// enqueued, the stream of phase p waits for exactly one thing:
+// enqueued, the stream of phase p waits for:
 //   - the reduce-scatter stream (the first phase's) for the caller's current stream, since the
-//     inputs are ready there, and then for the comparison of the ranks' calls (one small
-//     allreduce of the whole group: count, dtype and op); the copy into a flat buffer, when
-//     there is one, runs on it too;
+//     inputs are ready there, then for the comparison of the ranks' calls (one small allreduce
+//     of the whole group: count, dtype and op; on NCCL after the group's earlier collectives),
+//     and for the earlier torus calls in flight that write the same memory (write_order.h);
+//     the copy into a flat buffer, when there is one, runs on it too, after these;
 //   - the column stream for the reduce-scatter of segment k;
 //   - the allgather stream for the column allreduce (or, with one row, the reduce-scatter) of k.
 // Each stream thus accumulates waits on one engine, whose own stream runs in order, so what it
 // waited for earlier is implied anyway: segment k+1 is reduce-scattered while segment k crosses
-// the column, and a call's reduce-scatters do not wait for the previous call's allgathers.
+// the column, and a call's reduce-scatters do not wait for the previous call's allgathers
+// unless the two write the same memory. The whole group's collectives issued after a torus call
+// wait for it in the same way (TorusBackend::follow_torus_calls).
 //
 // Order. The calling thread enqueues every phase of a call at once and in one fixed order (all
 // reduce-scatters, then all column allreduces, then all allgathers, each in segment order),
@@ -53,6 +56,7 @@
 #include "common/device_launchers.h"
 #include "torus/stream_work.h"
 #include "torus/topology.h"
+#include "torus/write_order.h"
 
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -72,8 +76,10 @@ namespace torch_bigbatch::torus {
 
 class StreamPipeline {
  public:
+  // `writes`: the backend's, shared with its whole-group collectives (write_order.h).
   StreamPipeline(TorusShape shape, Engines engines, std::chrono::milliseconds timeout,
-                 std::shared_ptr<BackendFailure> failure, std::shared_ptr<DeliveryOrder> order);
+                 std::shared_ptr<BackendFailure> failure, std::shared_ptr<DeliveryOrder> order,
+                 std::shared_ptr<WriteOrder> writes);
   ~StreamPipeline();
   StreamPipeline(const StreamPipeline&) = delete;
   StreamPipeline& operator=(const StreamPipeline&) = delete;
@@ -99,6 +105,8 @@ class StreamPipeline {
                              const DeviceStreams& streams, int64_t segment_bytes,
                              DeviceWork& device_work);
   std::exception_ptr compare_calls(const c10::Stream& first, DeviceWork& device_work);
+  // The finish stream waits for what each phase stream holds.
+  void finish_after_phases(const DeviceStreams& streams, c10::Device device);
   c10::intrusive_ptr<c10d::Work> issue(Phase phase, at::Tensor& part, at::Tensor& reduced,
                                        const c10d::ReduceOp& op);
   void watch();
@@ -110,6 +118,7 @@ class StreamPipeline {
   const std::shared_ptr<PipelineContext> context_;
   std::vector<size_t> active_;  // indices into kPhaseOrder of the phases this shape has
 
+  const std::shared_ptr<WriteOrder> writes_;
   std::mutex enqueue_mutex_;  // one call's phases at a time; guards streams_
   std::map<c10::DeviceIndex, DeviceStreams> streams_;
 

@@ -46,7 +46,7 @@ void StreamWork::fail(const std::exception_ptr& error) {
 }
 
 bool StreamWork::device_done() const {
-  return device_work_.done.query();
+  return device_work_.done->query();
 }
 
 bool StreamWork::wait(std::chrono::milliseconds timeout) {
@@ -62,6 +62,8 @@ bool StreamWork::wait(std::chrono::milliseconds timeout) {
       TORCH_CHECK(error, "Operation timed out!");
     }
   }
+  // A failure the watcher has settled is known before its turn to be delivered comes.
+  if (!error) error = settled_error();
   if (!error) {
     std::lock_guard<std::mutex> lock(mutex_);
     error = exception_;
@@ -76,7 +78,7 @@ void StreamWork::synchronize() {
   // (An event waited for from another current device returns to it with cudaSetDevice, which
   // creates a context there if it had none: as ProcessGroupNCCL, on the tensors' device.)
   const c10::DeviceGuard on_its_device(device);
-  device_work_.done.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  device_work_.done->block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   c10d::Work::synchronize();
 }
 

@@ -51,7 +51,8 @@ struct PhaseWork {
 
 // What one allreduce put on the device.
 struct DeviceWork {
-  explicit DeviceWork(c10::DeviceType type) : agreed(type), done(type) {}
+  explicit DeviceWork(c10::DeviceType type)
+      : agreed(type), done(std::make_shared<c10::Event>(type)) {}
 
   std::vector<PhaseWork> phases;    // in the order they were enqueued
   int64_t segments = 0;
@@ -63,7 +64,9 @@ struct DeviceWork {
   int32_t kind = 0;
   at::Tensor agreement;
   c10::Event agreed;
-  c10::Event done;  // recorded after every phase, the division of AVG and the copy back
+  // Recorded after every phase, the division of AVG and the copy back; shared with the
+  // pipeline, whose later calls on the same tensors wait for it.
+  std::shared_ptr<c10::Event> done;
 };
 
 class StreamWork : public TorusWork {

@@ -6,12 +6,13 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
 namespace {
 
-bool host_pipeline_supports(at::ScalarType dtype) {
+bool pipeline_supports(at::ScalarType dtype) {
   switch (dtype) {
     case at::kBool:
     case at::kFloat:
@@ -33,6 +34,25 @@ bool host_pipeline_supports(at::ScalarType dtype) {
 bool capturing(const c10::Device& device) {
   const auto check = CaptureChecks::find(device.type());
   return check != nullptr && check(device);
+}
+
+// The tensors a collective reads or writes, as one list (for the write order of the torus's
+// calls: write_order.h).
+void add_tensors(std::vector<at::Tensor>& all, const at::Tensor& tensor) {
+  all.push_back(tensor);
+}
+void add_tensors(std::vector<at::Tensor>& all, const std::vector<at::Tensor>& tensors) {
+  all.insert(all.end(), tensors.begin(), tensors.end());
+}
+void add_tensors(std::vector<at::Tensor>& all,
+                 const std::vector<std::vector<at::Tensor>>& lists) {
+  for (const auto& tensors : lists) add_tensors(all, tensors);
+}
+template <typename... Parts>
+std::vector<at::Tensor> tensors_of(const Parts&... parts) {
+  std::vector<at::Tensor> all;
+  (add_tensors(all, parts), ...);
+  return all;
 }
 
 bool is_bitwise(const c10d::ReduceOp& op) {
@@ -82,7 +102,8 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
               "torus: the host pipeline needs a second column group when Y > 1, and only then");
   host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, delivery_order_);
   if (cuda_)
-    stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_);
+    stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_,
+                                               writes_);
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -177,7 +198,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   // Refused here, before any path: Gloo refuses them through its Work, and a failed Work is
   // the backend's failure (every later call refused), where the call never reached the wire.
   if (on_host) {
-    TORCH_CHECK(host_pipeline_supports(dtype) || (getSize() == 1 && at::isComplexType(dtype)),
+    TORCH_CHECK(pipeline_supports(dtype) || (getSize() == 1 && at::isComplexType(dtype)),
                 "torus ", collective, ": dtype ", dtype, " is not supported on CPU tensors "
                 "(float, double, half, bfloat16, bool, int8, uint8, int32 and int64 are; complex "
                 "ones on one rank, or through torch.distributed.all_reduce, which reduces them "
@@ -186,10 +207,12 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
                 ": ReduceOp.PREMUL_SUM is not supported on CPU tensors (Gloo has none); "
                 "multiply, then reduce with SUM");
   }
-  // Complex tensors get here on CUDA only (or on one rank): NCCL's own allreduce reduces them
-  // as real, where the pipeline's reduce-scatter would refuse them and fail the backend.
-  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured ||
-      at::isComplexType(dtype))
+  // What the device pipeline cannot run goes to the engine's own allreduce, which reduces it
+  // (complex as real on NCCL) or refuses this call alone (a bitwise op, a dtype NCCL lacks),
+  // as the engine does: refused inside the pipeline, it failed the backend for every later
+  // call, or, during a class's trials, the class's decision.
+  const bool pipeline_runs = pipeline_supports(dtype) && (on_host || !is_bitwise(op));
+  if (getSize() == 1 || op.op_ == c10d::ReduceOp::PREMUL_SUM || captured || !pipeline_runs)
     return whole_allreduce(engines, std::move(tensors), op, op_type);
   const AlgorithmTuner::Call call = tuner_.begin(first.device(), bytes);
   c10::intrusive_ptr<c10d::Work> work;
@@ -210,7 +233,6 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::pipeline_allreduce(std::vector<at::
                                                                 c10d::OpType op_type,
                                                                 const char* collective,
                                                                 const Choice& choice) {
-  const at::ScalarType dtype = tensors.front().scalar_type();
   std::shared_ptr<HostPipeline> host;
   std::shared_ptr<StreamPipeline> stream;
   {
@@ -303,6 +325,7 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
 c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
     const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
     c10d::OpType op_type) {
+  follow_torus_calls(tensors.front().device(), &tensors);
   std::vector<at::Tensor> reduced = tensors;
   bool copied = false;
   c10d::ReduceOp engine = op;
@@ -323,23 +346,44 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
   return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure("allreduce"));
 }
 
+void TorusBackend::follow_torus_calls(const c10::Device& device,
+                                      const std::vector<at::Tensor>* tensors) {
+  if (device.is_cpu()) return;  // (the host pipeline's calls end before their Works do)
+  c10::impl::VirtualGuardImpl guard_impl(device.type());
+  // (a barrier's device may name no index: the current one, as the engine's barrier takes)
+  const c10::Device on = device.has_index() ? device : guard_impl.getDevice();
+  // A capture cannot wait for an event recorded outside it (the pipeline never runs in one).
+  if (capturing(on)) return;
+  // (an event the last Work released here is destroyed on its device, as ProcessGroupNCCL's)
+  const c10::DeviceGuard on_its_device(on);
+  const c10::Stream current = guard_impl.getStream(on);
+  if (tensors) {
+    writes_->follow_writes_to(*tensors, current);
+  } else {
+    writes_->follow_all(current);
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> TorusBackend::allreduce_sparse(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  return delegate(tensors.at(0).device().type(), "allreduce_sparse", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "allreduce_sparse", &touched, [&](c10d::Backend& whole) {
     return whole.allreduce_sparse(tensors, opts);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
-  return delegate(tensors.at(0).device().type(), "broadcast", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "broadcast", &touched, [&](c10d::Backend& whole) {
     return whole.broadcast(tensors, opts);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::ReduceOptions& opts) {
-  return delegate(tensors.at(0).device().type(), "reduce", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "reduce", &touched, [&](c10d::Backend& whole) {
     return whole.reduce(tensors, opts);
   });
 }
@@ -347,14 +391,16 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::reduce(std::vector<at::Tensor>& ten
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "allgather", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "allgather", &touched, [&](c10d::Backend& whole) {
     return whole.allgather(outputs, inputs, opts);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  return delegate(input.device().type(), "all_gather_into_tensor", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(output, input);
+  return delegate(input.device(), "all_gather_into_tensor", &touched, [&](c10d::Backend& whole) {
     return whole._allgather_base(output, input, opts);
   });
 }
@@ -362,7 +408,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::_allgather_base(
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "allgather_coalesced", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "allgather_coalesced", &touched, [&](c10d::Backend& whole) {
     return whole.allgather_coalesced(outputs, inputs, opts);
   });
 }
@@ -370,7 +417,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "allgather_into_tensor_coalesced",
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "allgather_into_tensor_coalesced", &touched,
                   [&](c10d::Backend& whole) {
     return whole.allgather_into_tensor_coalesced(outputs, inputs, opts);
   });
@@ -379,7 +427,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> TorusBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "gather", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "gather", &touched, [&](c10d::Backend& whole) {
     return whole.gather(outputs, inputs, opts);
   });
 }
@@ -387,7 +436,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::gather(
 c10::intrusive_ptr<c10d::Work> TorusBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  return delegate(outputs.at(0).device().type(), "scatter", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(outputs.at(0).device(), "scatter", &touched, [&](c10d::Backend& whole) {
     return whole.scatter(outputs, inputs, opts);
   });
 }
@@ -395,14 +445,16 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::scatter(
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegate(outputs.at(0).device().type(), "reduce_scatter", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(outputs.at(0).device(), "reduce_scatter", &touched, [&](c10d::Backend& whole) {
     return whole.reduce_scatter(outputs, inputs, opts);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  return delegate(input.device().type(), "reduce_scatter_tensor", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(output, input);
+  return delegate(input.device(), "reduce_scatter_tensor", &touched, [&](c10d::Backend& whole) {
     return whole._reduce_scatter_base(output, input, opts);
   });
 }
@@ -410,7 +462,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> TorusBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "reduce_scatter_tensor_coalesced",
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "reduce_scatter_tensor_coalesced", &touched,
                   [&](c10d::Backend& whole) {
     return whole.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   });
@@ -419,7 +472,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> TorusBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  return delegate(input.device().type(), "all_to_all_single", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(output, input);
+  return delegate(input.device(), "all_to_all_single", &touched, [&](c10d::Backend& whole) {
     return whole.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
   });
 }
@@ -427,37 +481,41 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::alltoall_base(
 c10::intrusive_ptr<c10d::Work> TorusBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllToAllOptions& opts) {
-  return delegate(inputs.at(0).device().type(), "all_to_all", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
+  return delegate(inputs.at(0).device(), "all_to_all", &touched, [&](c10d::Backend& whole) {
     return whole.alltoall(outputs, inputs, opts);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::send(std::vector<at::Tensor>& tensors, int dst_rank,
                                                   int tag) {
-  return delegate(tensors.at(0).device().type(), "send", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "send", &touched, [&](c10d::Backend& whole) {
     return whole.send(tensors, dst_rank, tag);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,
                                                   int tag) {
-  return delegate(tensors.at(0).device().type(), "recv", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "recv", &touched, [&](c10d::Backend& whole) {
     return whole.recv(tensors, src_rank, tag);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                            int tag) {
-  return delegate(tensors.at(0).device().type(), "recv_anysource", [&](c10d::Backend& whole) {
+  const std::vector<at::Tensor> touched = tensors_of(tensors);
+  return delegate(tensors.at(0).device(), "recv_anysource", &touched, [&](c10d::Backend& whole) {
     return whole.recvAnysource(tensors, tag);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> TorusBackend::barrier(const c10d::BarrierOptions& opts) {
-  c10::DeviceType device = opts.device ? opts.device->type()
-                           : cpu_      ? c10::DeviceType::CPU
-                                       : c10::DeviceType::CUDA;
-  return delegate(device, "barrier", [&](c10d::Backend& whole) { return whole.barrier(opts); });
+  c10::Device device = opts.device ? *opts.device
+                       : cpu_      ? c10::Device(c10::DeviceType::CPU)
+                                   : c10::Device(c10::DeviceType::CUDA);
+  return delegate(device, "barrier", nullptr, [&](c10d::Backend& whole) { return whole.barrier(opts); });
 }
 
 void TorusBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

@@ -9,6 +9,7 @@
 #include "torus/host_pipeline.h"
 #include "torus/stream_pipeline.h"
 #include "torus/topology.h"
+#include "torus/write_order.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -101,11 +102,20 @@ class TorusBackend : public c10d::Backend {
   const Engines& engines_for(c10::DeviceType device, const char* collective) const;
   // "torus broadcast failed in the broadcast of the whole group (rank 1 at ...): "
   std::string whole_group_failure(const char* collective) const;
-  // A collective the whole group runs as it is, its failure named (DelegatedWork).
+  // On a device, before a collective of the whole group's engine is issued (whose stream waits
+  // for the current one): the current stream waits for the torus allreduces in flight that
+  // write memory `tensors` overlap (none: every one on the device, for a barrier), so that the
+  // collective runs after them, as one engine runs its collectives in issue order
+  // (write_order.h).
+  void follow_torus_calls(const c10::Device& device, const std::vector<at::Tensor>* tensors);
+  // A collective the whole group runs as it is, its failure named (DelegatedWork); `touched`:
+  // its tensors (follow_torus_calls).
   template <typename Call>
-  c10::intrusive_ptr<c10d::Work> delegate(c10::DeviceType device, const char* collective,
-                                          Call&& call) {
-    c10::intrusive_ptr<c10d::Work> work = call(*engines_for(device, collective).whole);
+  c10::intrusive_ptr<c10d::Work> delegate(const c10::Device& device, const char* collective,
+                                          const std::vector<at::Tensor>* touched, Call&& call) {
+    c10d::Backend& whole = *engines_for(device.type(), collective).whole;
+    follow_torus_calls(device, touched);
+    c10::intrusive_ptr<c10d::Work> work = call(whole);
     // No Work: the engine ran it on the caller's stream already (NCCL for asyncOp=false, from
     // torch 2.8); torch.distributed then waits for nothing, and neither do we.
     if (!work) return work;
@@ -146,6 +156,8 @@ class TorusBackend : public c10d::Backend {
   std::mutex pipelines_mutex_;  // guards host_ and stream_ themselves
   std::shared_ptr<HostPipeline> host_;
   std::shared_ptr<StreamPipeline> stream_;
+  // Which torus calls in flight write which memory, for the whole group's collectives too.
+  const std::shared_ptr<WriteOrder> writes_ = std::make_shared<WriteOrder>();
 };
 
 }  // namespace torch_bigbatch::torus
