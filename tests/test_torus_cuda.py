@@ -154,22 +154,23 @@ def calls_on_one_tensor(rank, world_size, port, shape, engine):
     """Collectives on one tensor issued back to back, none waited for, run in the order they
     were issued, as one NCCL group's do: a torus call read the tensor while the one before still
     wrote it (in place, and through the flat copy where a row has two or more columns and a
-    length none divides), and a broadcast after a torus call did not wait for it. The broadcast
-    first (the ranks' values differ until it has run) is left out on Gloo's CUDA engine, whose
-    two worker threads may run it beside the next call's comparison (README)."""
+    length none divides), and a broadcast after a torus call did not wait for it. The
+    broadcasts are left out on Gloo's CUDA engine, whose two worker threads may run one beside
+    the next call's comparison (README: a torus call after it needs a wait() there)."""
     device = init(rank, world_size, port, shape, engine=engine)
     for numel in (1 << 16, (1 << 16) + 1):
         tensor = torch.full((numel,), float(rank + 1), device=device)
-        want = float(world_size * (world_size + 1) // 2)  # what the first allreduce sums
-        works = []
-        if engine == "nccl":
-            works.append(dist.broadcast(tensor, world_size - 1, async_op=True))
-            want = float(world_size * world_size)
-        works += [dist.all_reduce(tensor, async_op=True), dist.all_reduce(tensor, async_op=True),
-                  dist.broadcast(tensor, 0, async_op=True), dist.all_reduce(tensor, async_op=True)]
+        nccl = engine == "nccl"
+        works = [dist.broadcast(tensor, world_size - 1, async_op=True)] if nccl else []
+        works += [dist.all_reduce(tensor, async_op=True), dist.all_reduce(tensor, async_op=True)]
+        works += [dist.broadcast(tensor, 0, async_op=True)] if nccl else []
+        works.append(dist.all_reduce(tensor, async_op=True))
         for work in works:
             work.wait()
-        want *= world_size * world_size  # the two allreduces after the first
+        # The first allreduce sums world_size copies of world_size (after the broadcast from
+        # the last rank) or 1 + ... + world_size; the two after it multiply by world_size each.
+        first = world_size * world_size if nccl else world_size * (world_size + 1) // 2
+        want = float(first * world_size * world_size)
         assert torch.equal(tensor, torch.full_like(tensor, want)), (numel, tensor.unique())
     assert pipeline_calls() == 6
     # Calls the pipeline cannot run (a bitwise op, which NCCL has not; a dtype outside the
@@ -179,14 +180,21 @@ def calls_on_one_tensor(rank, world_size, port, shape, engine):
     try:
         dist.all_reduce(bits, op=dist.ReduceOp.BAND)
         assert torch.equal(bits, torch.full_like(bits, 3))  # 3 & 7 (& 11 & 15)
-    except (RuntimeError, ValueError) as error:
+    except (RuntimeError, ValueError, TypeError) as error:
         assert "BAND" in str(error), error
     unusual = torch.full((8,), rank + 1, dtype=torch.uint16, device=device)
     try:
         dist.all_reduce(unusual)
         assert unusual.tolist() == [world_size * (world_size + 1) // 2] * 8
-    except (RuntimeError, ValueError) as error:
+    except (RuntimeError, ValueError, TypeError) as error:
         assert "UInt16" in str(error) or "uint16" in str(error) or "type" in str(error), error
+    # A sparse tensor goes to the engine too (the write order once asked it for its storage,
+    # which a sparse tensor has not: every sparse allreduce raised).
+    sparse = torch.sparse_coo_tensor([[rank]], [1.0], (world_size,), device=device)
+    try:
+        dist.all_reduce(sparse)
+    except RuntimeError as error:  # an engine without sparse allreduce says so
+        assert "storage" not in str(error), error
     after = torch.full((100,), float(rank), device=device)
     dist.all_reduce(after)
     assert torch.equal(after, torch.full_like(after, float(sum(range(world_size)))))

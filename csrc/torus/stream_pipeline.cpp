@@ -57,7 +57,12 @@ c10::intrusive_ptr<c10d::Work> StreamPipeline::allreduce(std::vector<at::Tensor>
     // What was enqueued still runs: done comes after it, so that the watcher keeps the tensors
     // until then and later calls on them wait for it.
     try {
+      c10::StreamGuard on_finish(streams.finish);
       finish_after_phases(streams, device);
+      for (const PhaseWork& phase : device_work.phases) engines_.follow(*phase.work);
+    } catch (...) {
+    }
+    try {
       device_work.done->record(streams.finish);
       writes_->record(inputs, device_work.done);
     } catch (...) {
@@ -118,7 +123,8 @@ std::exception_ptr StreamPipeline::enqueue(const std::vector<at::Tensor>& inputs
   if (!error) {
     // After the comparison, which the first stream follows (NCCL's whole group ran what was
     // issued before it: a broadcast into these tensors, say), and after the earlier torus calls
-    // that write them (not before the comparison: the whole group's stream would wait too).
+    // that write them (not before this call's comparison, which NCCL's whole-group stream would
+    // then wait for too; the later calls' wait, as on one engine's stream).
     c10::StreamGuard on_first(first);
     writes_->follow_writes_to(inputs, first);
     buffer.copy_in();

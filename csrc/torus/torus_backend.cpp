@@ -348,9 +348,11 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
 
 void TorusBackend::follow_torus_calls(const c10::Device& device,
                                       const std::vector<at::Tensor>* tensors) {
-  if (device.is_cpu()) return;  // (the host pipeline's calls end before their Works do)
+  // (On the host, async collectives on one tensor race as they do over Gloo, whose two worker
+  // threads run them at once: a caller waits between them.)
+  if (device.is_cpu()) return;
   c10::impl::VirtualGuardImpl guard_impl(device.type());
-  // (a barrier's device may name no index: the current one, as the engine's barrier takes)
+  // (a barrier without device_ids names no index: the current device's stream waits)
   const c10::Device on = device.has_index() ? device : guard_impl.getDevice();
   // A capture cannot wait for an event recorded outside it (the pipeline never runs in one).
   if (capturing(on)) return;
@@ -515,6 +517,10 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::barrier(const c10d::BarrierOptions&
   c10::Device device = opts.device ? *opts.device
                        : cpu_      ? c10::Device(c10::DeviceType::CPU)
                                    : c10::Device(c10::DeviceType::CUDA);
+  // (torch passes the device type alone, and the GPUs in device_ids: the engine's barrier runs
+  // on the first)
+  if (!device.is_cpu() && !device.has_index() && !opts.device_ids.empty())
+    device = c10::Device(device.type(), static_cast<c10::DeviceIndex>(opts.device_ids.front()));
   return delegate(device, "barrier", nullptr, [&](c10d::Backend& whole) { return whole.barrier(opts); });
 }
 

@@ -114,6 +114,10 @@ class TorusBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> delegate(const c10::Device& device, const char* collective,
                                           const std::vector<at::Tensor>* touched, Call&& call) {
     c10d::Backend& whole = *engines_for(device.type(), collective).whole;
+    // On a device the pipeline's comparison runs on the whole group: after its failure (this
+    // rank's call may have ended before its comparison), a collective here could pair with the
+    // peers' comparison.
+    if (!device.is_cpu()) failure_->check_usable();
     follow_torus_calls(device, touched);
     c10::intrusive_ptr<c10d::Work> work = call(whole);
     // No Work: the engine ran it on the caller's stream already (NCCL for asyncOp=false, from
