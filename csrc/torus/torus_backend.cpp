@@ -411,7 +411,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const std::vector<at::Tensor> touched = tensors_of(outputs, inputs);
-  return delegate(inputs.at(0).device(), "allgather_coalesced", &touched, [&](c10d::Backend& whole) {
+  return delegate(inputs.at(0).device(), "allgather_coalesced", &touched,
+                  [&](c10d::Backend& whole) {
     return whole.allgather_coalesced(outputs, inputs, opts);
   });
 }
@@ -521,7 +522,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::barrier(const c10d::BarrierOptions&
   // on the first)
   if (!device.is_cpu() && !device.has_index() && !opts.device_ids.empty())
     device = c10::Device(device.type(), static_cast<c10::DeviceIndex>(opts.device_ids.front()));
-  return delegate(device, "barrier", nullptr, [&](c10d::Backend& whole) { return whole.barrier(opts); });
+  return delegate(device, "barrier", nullptr,
+                  [&](c10d::Backend& whole) { return whole.barrier(opts); });
 }
 
 void TorusBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
