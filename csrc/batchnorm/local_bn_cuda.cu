@@ -31,25 +31,43 @@ constexpr int kPackWidth = 16 / sizeof(T);
 template <int W>
 using Width = std::integral_constant<int, W>;
 
-// The (u, d) of step 1 for one element: forward u = d = x - center, backward u = dy.
+// A thread's running sums of step 1: forward u = d = x - center, backward u = dy; sums of u
+// and u d. One float total of many values rounds their small parts away once it dwarfs them
+// (2^17 squares of about 1, one thread's share of a channels-last sample, came out 1e-3 low),
+// so each float total covers kChunk values, then moves into double.
 template <bool kBackward, typename A>
-__device__ __forceinline__ void accumulate(A x, A dy, A center, A& q1, A& q2) {
-  const A d = x - center;
-  const A u = kBackward ? dy : d;
-  q1 += u;
-  q2 += u * d;
-}
+struct StepSums {
+  static constexpr int kChunk = 1024;
+  A q1 = 0, q2 = 0;
+  double total1 = 0, total2 = 0;
+  int count = 0;
+
+  __device__ __forceinline__ void add(A x, A dy, A center) {
+    const A d = x - center;
+    const A u = kBackward ? dy : d;
+    q1 += u;
+    q2 += u * d;
+    if (++count == kChunk) flush();
+  }
+  __device__ __forceinline__ void flush() {
+    total1 += q1;
+    total2 += q2;
+    q1 = q2 = 0;
+    count = 0;
+  }
+};
 
 // Step 1's values of a (sample, channel): the sums of dy and dy d (backward), or the sample's
 // center, mean offset and M2 (forward) from the sums of d and d^2.
 template <bool kBackward, typename A>
-__device__ __forceinline__ void store_sample(const BnPass& p, int64_t nc, A center, A q1, A q2) {
+__device__ __forceinline__ void store_sample(const BnPass& p, int64_t nc, A center, double q1,
+                                             double q2) {
   A* out = sample_values<A>(p, nc);
   if (kBackward) {
-    out[0] = q1;
-    out[1] = q2;
+    out[0] = A(q1);
+    out[1] = A(q2);
   } else {
-    sample_moments<A>(out, center, q1, q2, A(p.layout.spatial));
+    sample_moments<A>(out, center, A(q1), A(q2), A(p.layout.spatial));
   }
 }
 
@@ -93,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
     });
     center = A(warp_sum(total) / double(l.spatial));
   }
-  A q1 = 0, q2 = 0;
+  StepSums<kBackward, A> sums;
   each([&](int64_t i, auto width) {
     constexpr int N = decltype(width)::value;
     const Pack<T, N> xs = load_pack<N>(x, i);
@@ -101,10 +119,10 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
     if constexpr (kBackward) dys = load_pack<N>(dy, i);
 #pragma unroll
     for (int j = 0; j < N; ++j)
-      accumulate<kBackward>(to_acc(xs.v[j]), kBackward ? to_acc(dys.v[j]) : A(0), center, q1, q2);
+      sums.add(to_acc(xs.v[j]), kBackward ? to_acc(dys.v[j]) : A(0), center);
   });
-  q1 = warp_sum(q1);
-  q2 = warp_sum(q2);
+  sums.flush();
+  const double q1 = warp_sum(sums.total1), q2 = warp_sum(sums.total2);
   if (lane == 0) store_sample<kBackward>(p, row, center, q1, q2);
 }
 
@@ -113,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) sample_sums_rows(const BnPass p, boo
 template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPass p) {
   using A = acc_t<T>;
-  __shared__ A partial[2][kWarps][kChannelTile + 1];
+  __shared__ double partial[2][kWarps][kChannelTile + 1];
   __shared__ A centers[kChannelTile];
   const BnLayout& l = p.layout;
   const int64_t tiles = (l.channels + kChannelTile - 1) / kChannelTile;
@@ -142,14 +160,16 @@ __global__ void __launch_bounds__(kThreads) sample_sums_channels_last(const BnPa
   }
   __syncthreads();  // the centers are in; the first pass's partials are read
   const A center = centers[lane];
-  A q1 = 0, q2 = 0;
+  StepSums<kBackward, A> sums;
   if (active) {
 #pragma unroll 4
     for (int64_t s = warp; s < l.spatial; s += kWarps) {
       const int64_t at = l.index(n, c, s);
-      accumulate<kBackward>(to_acc(x[at]), kBackward ? to_acc(dy[at]) : A(0), center, q1, q2);
+      sums.add(to_acc(x[at]), kBackward ? to_acc(dy[at]) : A(0), center);
     }
   }
+  sums.flush();
+  double q1 = sums.total1, q2 = sums.total2;
   partial[0][warp][lane] = q1;
   partial[1][warp][lane] = q2;
   __syncthreads();
