@@ -301,11 +301,15 @@ def one_gpu(rank, world_size, port):
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     device = torch.device("cuda", 0)
     result = {}
-    # The Work completes with the stream, not when NCCL is enqueued.
+    # The Work completes with the stream, not when NCCL is enqueued. NCCL's communicator is
+    # made at the first collective, which took longer than the sleep on an H200: made first.
     tensor = torch.ones(1 << 20, device=device)
+    dist.all_reduce(torch.ones(1, device=device))
+    torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))  # about a second of GPU time before the allreduce can run
     work = dist.all_reduce(tensor, async_op=True)
     result["completed while the stream sleeps"] = work.is_completed()
+    result["the stream still sleeps"] = not torch.cuda.current_stream().query()
     work.wait()  # the current stream waits; the host does not
     result["sum"] = tensor.sum().item()  # a host read after the stream
     torch.cuda.synchronize()
@@ -337,5 +341,6 @@ def one_gpu(rank, world_size, port):
 def test_one_gpu_allreduce_completes_with_the_stream():
     """(AVG's one division shows only with several ranks: allreduce_on_gpus's AVG rows.)"""
     result = run_ranks(one_gpu, 1, deadline=120)[0]
-    assert result == {"completed while the stream sleeps": False, "sum": float(1 << 20),
+    assert result == {"completed while the stream sleeps": False, "the stream still sleeps": True,
+                      "sum": float(1 << 20),
                       "completed after": True, "view": True, "handed on": True}
