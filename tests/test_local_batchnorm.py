@@ -459,6 +459,77 @@ def test_compiles():
     assert torch.equal(layer.running_var, reference_layer.running_var)
 
 
+def compiled_against_reference(device, backend, shape, group_size, channels_last, affine,
+                               dtype=torch.float32):
+    """A compiled training step of a batch of equal groups (torch ops, not the op) against the
+    float64 reference: (output, grads, running stats) errors, and whether the memory format
+    was kept."""
+    torch.manual_seed(0)
+    layer = bb.nn.LocalBatchNorm2d(shape[1], group_size=group_size, affine=affine,
+                                   momentum=1.0).to(device)
+    if affine:
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 2)
+            layer.bias.uniform_(-1, 1)
+    x = memory_format(torch.randn(shape, device=device) * 3 + 5, channels_last)
+    x = x.to(dtype).requires_grad_()
+    dy = torch.randn(shape, device=device).to(dtype)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    y = compiled(x)
+    y.backward(dy)
+    ones = torch.ones(shape[1], device=device)
+    weight, bias = (layer.weight, layer.bias) if affine else (ones, ones * 0)
+    expected, grads = reference_gradients(x, weight, bias, dy, group_size or shape[0])
+    _, mean, var = reference(x.detach().cpu(), None, None, group_size or shape[0])
+    assert_relative_close(y.detach().cpu(), expected, 1e-5 if dtype == torch.float32 else 1e-2,
+                          "output")
+    assert_relative_close(x.grad.cpu(), grads[0], 1e-4 if dtype == torch.float32 else 2e-2,
+                          "grad_input")
+    if affine:
+        assert_relative_close(layer.weight.grad.cpu(), grads[1], 1e-4, "grad_weight")
+        assert_relative_close(layer.bias.grad.cpu(), grads[2], 1e-4, "grad_bias")
+    assert_relative_close(layer.running_mean.cpu(), mean, 1e-5, "running_mean")
+    assert_relative_close(layer.running_var.cpu(), var, 1e-5, "running_var")
+    wanted = torch.channels_last if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=wanted) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("group_size, affine", [(4, True), (None, False)])
+def test_compiled_equal_groups_run_as_torch_ops_that_agree(device, channels_last, group_size,
+                                                           affine):
+    """Under torch.compile a batch of equal groups is normalized by torch ops (which the
+    compiler fuses); they agree with the reference, the op's numbers, as the op does."""
+    compiled_against_reference(device, "aot_eager", (12, 5, 3, 4), group_size, channels_last,
+                               affine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_inductor_compiles_equal_groups_channels_last(device, dtype):
+    """Inductor's kernels for the torch ops, channels-last as in the training job."""
+    compiled_against_reference(device, "inductor", (8, 6, 5, 5), 4, True, True, dtype)
+
+
+def test_compiled_unequal_groups_take_the_op():
+    """A tail group (10 = 4 + 4 + 2) goes through the op under torch.compile too."""
+    layer = bb.nn.LocalBatchNorm2d(3, group_size=4)
+    graph_ops = []
+
+    def backend(graph, example_inputs):
+        graph_ops.extend(str(node.target) for node in graph.graph.nodes)
+        return graph.forward
+
+    torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(10, 3, 2, 2))
+    torch._dynamo.reset()
+    assert any("local_batch_norm" in op for op in graph_ops), graph_ops
+    graph_ops.clear()
+    torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(12, 3, 2, 2))
+    assert not any("local_batch_norm" in op for op in graph_ops), graph_ops
+
+
 # Views whose memory is neither [N, C, ...] nor channels-last (or is, with odd strides): slices,
 # transposes, steps, channel slices of [N, C, 1, 1], stride-0 broadcasts, in 1d, 2d and 3d.
 ODD_VIEWS = {

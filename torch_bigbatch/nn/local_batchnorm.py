@@ -10,7 +10,8 @@ one group: plain per-process BatchNorm.
 
 The statistics of every (group, channel) come from one pass of a fused kernel (CPU or CUDA), not
 from a Python loop over chunks: the op torch.ops.torch_bigbatch.local_batch_norm, differentiable
-through its autograd registration (torch_bigbatch/ops.py).
+through its autograd registration (torch_bigbatch/ops.py). Under torch.compile a batch of equal
+groups is normalized by torch ops instead, which the compiler fuses with the layers around it.
 """
 
 import operator
@@ -48,6 +49,30 @@ def _refuse_forward_mode():
                            "nn.BatchNorm2d there, or reverse mode: torch.autograd.grad)")
 
 
+def _equal_groups_by_ops(input, weight, bias, group_size, eps):
+    """The training pass of a batch of equal groups in torch ops, for torch.compile: inductor
+    fuses them with the convolution and ReLU around them, as it does nn.BatchNorm's own
+    decomposition, where the op is a call it cannot fuse (ResNet-50 compiled, bf16, on an H200:
+    0.62x nn.BatchNorm2d's images/s with the op). Returns (output, the groups' average mean,
+    their average unbiased variance), as the op does."""
+    batch, channels = input.shape[:2]
+    groups = batch // group_size
+    acc = torch.promote_types(input.dtype, torch.float32)
+    # (group, sample, channel, the other dims): a view in contiguous and channels-last memory
+    x = input.reshape(groups, group_size, channels, -1).to(acc)
+    variance, mean = torch.var_mean(x, dim=(1, 3), correction=0, keepdim=True)
+    scale = torch.rsqrt(variance + eps)
+    if weight is not None:
+        scale = scale * weight.to(acc).view(1, 1, channels, 1)
+    output = (x - mean) * scale
+    if bias is not None:
+        output = output + bias.to(acc).view(1, 1, channels, 1)
+    count = group_size * x.shape[3]
+    average_mean = mean.view(groups, channels).mean(0)
+    average_var = variance.view(groups, channels).mean(0) * (count / (count - 1))
+    return output.to(input.dtype).reshape(input.shape), average_mean, average_var
+
+
 def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
                      momentum=0.1, eps=1e-5, group_size=32):
     """F.batch_norm with per-group statistics in training (see the module docstring)."""
@@ -70,8 +95,11 @@ def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, t
         raise ValueError("Expected more than 1 value per channel when training, got input size "
                          f"{tuple(input.shape)}")
     size = max(2, input.shape[0]) if group_size is None else group_size
-    output, _, _, average_mean, average_var = torch.ops.torch_bigbatch.local_batch_norm(
-        input, weight, bias, size, eps)
+    if torch.compiler.is_compiling() and input.numel() > 0 and input.shape[0] % size == 0:
+        output, average_mean, average_var = _equal_groups_by_ops(input, weight, bias, size, eps)
+    else:
+        output, _, _, average_mean, average_var = torch.ops.torch_bigbatch.local_batch_norm(
+            input, weight, bias, size, eps)
     if running_mean is not None and input.numel() > 0:
         with torch.no_grad():
             torch._foreach_lerp_([running_mean, running_var],
