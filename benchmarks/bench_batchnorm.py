@@ -112,6 +112,10 @@ def main():
             for channels, size in SHAPES:
                 timings = bench_shape(device, dtype, FORMATS[format_name], args.batch, channels,
                                       size, args.min_run_time, args.rounds)
+                # (as it goes: a run stopped at a time limit still shows what it measured)
+                print(f"measured {device} {format_name} {args.batch},{channels},{size},{size}: "
+                      + ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()),
+                      flush=True)
                 rows += [{"device": device, "dtype": args.dtype, "memory_format": format_name,
                           "batch": args.batch, "channels": channels, "size": size,
                           "variant": name, "ms_per_step": ms,

@@ -68,6 +68,22 @@ def images_per_second(step, images, labels, steps, device):
     return steps * images.shape[0] / (time.perf_counter() - start)
 
 
+def print_profile(mode, steps, images, labels, args):
+    """The ops that took most of one step's device time, per variant: where a ratio comes
+    from."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    for name, step in steps.items():
+        with torch.profiler.profile(activities=activities) as profiler:
+            step(images, labels)
+            synchronize(args.device)
+        print(f"{mode} {name}: the {args.profile} ops that took most of one step")
+        print(profiler.key_averages().table(
+            sort_by=f"self_{'cuda' if args.device == 'cuda' else 'cpu'}_time_total",
+            row_limit=args.profile, max_name_column_width=60))
+
+
 def bench_mode(mode, args):
     """One row per variant: the median images/s of its rounds, and against torch's."""
     dtype = DTYPES[args.dtype]
@@ -83,6 +99,8 @@ def bench_mode(mode, args):
         for name, step in steps.items():
             rates[name].append(images_per_second(step, images, labels, args.steps, args.device))
     medians = {name: statistics.median(values) for name, values in rates.items()}
+    if args.profile:
+        print_profile(mode, steps, images, labels, args)
     return [{"device": args.device, "dtype": args.dtype, "mode": mode, "batch": args.batch,
              "image_size": args.image_size, "variant": name, "images_per_second": rate,
              "ratio_vs_torch": rate / medians[BASELINE]} for name, rate in medians.items()]
@@ -101,6 +119,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="steps per variant and round")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print each variant's N costliest ops in one profiled step")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
