@@ -2,8 +2,11 @@
 
 import argparse
 import csv
+import math
 import os
 import platform
+import statistics
+import time
 
 import torch
 from torch.utils import benchmark
@@ -31,7 +34,7 @@ def argument_parser(docstring, min_run_time, rounds, extra=()):
     for flags, options in extra:
         parser.add_argument(*flags, **options)
     parser.add_argument("--min-run-time", type=float, default=min_run_time,
-                        help="seconds of timing per variant (blocked_autorange), over all rounds")
+                        help="seconds of timing per variant, over all rounds")
     parser.add_argument("--rounds", type=positive_int, default=rounds,
                         help="the variants take turns this many times")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
@@ -39,9 +42,19 @@ def argument_parser(docstring, min_run_time, rounds, extra=()):
 
 
 def median_ms(stmt, globals_, min_run_time):
-    """Median milliseconds of `stmt` (torch.utils.benchmark, which synchronizes CUDA)."""
+    """Median milliseconds per run of `stmt`, over blocks of runs of at least 10 ms each, until
+    min_run_time is spent (3 blocks at least), each block timed by torch.utils.benchmark's
+    Timer.timeit, which synchronizes CUDA. (Its blocked_autorange grows blocks until the
+    timer's overhead is 1e-4 of them: 0.3 s blocks for a 0.3 ms CUDA step, which took
+    bench_batchnorm past a minute on an H200.)"""
     timer = benchmark.Timer(stmt=stmt, globals=globals_, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+    once = timer.timeit(1).median  # also the warm-up
+    number = max(1, math.ceil(0.01 / max(once, 1e-9)))
+    times = []
+    start = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < min_run_time:
+        times.append(timer.timeit(number).median)
+    return statistics.median(times) * 1e3
 
 
 def device_name(device):
