@@ -80,7 +80,7 @@ def print_profile(mode, steps, images, labels, args):
             synchronize(args.device)
         print(f"{mode} {name}: the {args.profile} ops that took most of one step")
         print(profiler.key_averages().table(
-            sort_by=f"self_{'cuda' if args.device == 'cuda' else 'cpu'}_time_total",
+            sort_by=f"self_{'device' if args.device == 'cuda' else 'cpu'}_time_total",
             row_limit=args.profile, max_name_column_width=60))
 
 

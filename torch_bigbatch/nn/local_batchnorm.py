@@ -60,15 +60,20 @@ def _equal_groups_by_ops(input, weight, bias, group_size, eps):
     acc = torch.promote_types(input.dtype, torch.float32)
     # (group, sample, channel, the other dims): a view in contiguous and channels-last memory
     x = input.reshape(groups, group_size, channels, -1).to(acc)
-    variance, mean = torch.var_mean(x, dim=(1, 3), correction=0, keepdim=True)
+    # Centered on each group's first sample's mean (a constant to autograd: the result does
+    # not depend on it): inductor's float var_mean of values around 1e6 times their spread
+    # came out 8e-2 off, 7e-7 centered (the op centers each sample on its own mean).
+    center = x[:, :1].mean(dim=3, keepdim=True).detach()
+    x = x - center
+    variance, offset = torch.var_mean(x, dim=(1, 3), correction=0, keepdim=True)
     scale = torch.rsqrt(variance + eps)
     if weight is not None:
         scale = scale * weight.to(acc).view(1, 1, channels, 1)
-    output = (x - mean) * scale
+    output = (x - offset) * scale
     if bias is not None:
         output = output + bias.to(acc).view(1, 1, channels, 1)
     count = group_size * x.shape[3]
-    average_mean = mean.view(groups, channels).mean(0)
+    average_mean = (center + offset).view(groups, channels).mean(0)
     average_var = variance.view(groups, channels).mean(0) * (count / (count - 1))
     return output.to(input.dtype).reshape(input.shape), average_mean, average_var
 
