@@ -62,8 +62,10 @@ def _equal_groups_by_ops(input, weight, bias, group_size, eps):
     x = input.reshape(groups, group_size, channels, -1).to(acc)
     # Centered on each group's first sample's mean (a constant to autograd: the result does
     # not depend on it): inductor's float var_mean of values around 1e6 times their spread
-    # came out 8e-2 off, 7e-7 centered (the op centers each sample on its own mean).
+    # came out 8e-2 off, 7e-7 centered (the op centers each sample on its own mean). Not
+    # centered where that mean is inf or NaN, as the op: an inf stays the group's mean.
     center = x[:, :1].mean(dim=3, keepdim=True).detach()
+    center = torch.where(center.isfinite(), center, 0)
     x = x - center
     variance, offset = torch.var_mean(x, dim=(1, 3), correction=0, keepdim=True)
     scale = torch.rsqrt(variance + eps)
