@@ -1,6 +1,7 @@
 """torch_bigbatch.nn.LocalBatchNorm against nn.functional.batch_norm applied group by group
 (the trusted oracle, in float64), and against nn.BatchNorm where they must agree."""
 
+import copy
 import subprocess
 import sys
 import warnings
@@ -414,6 +415,9 @@ def test_bad_input(device):
     with pytest.raises(RuntimeError, match="more than 1 value per channel"):
         torch.ops.torch_bigbatch.local_batch_norm(torch.randn(1, 4, device=device), None, None,
                                                   2, 1e-5)
+    with pytest.raises(ValueError, match="bias should contain 4 elements"):
+        bb.nn.local_batch_norm(torch.randn(4, 4, device=device), None, None, None,
+                               torch.zeros(3, device=device), training=True, group_size=2)
     with pytest.raises(ValueError, match="running_mean and running_var must be given together"):
         bb.nn.local_batch_norm(torch.randn(4, 4, device=device), torch.zeros(4, device=device),
                                None, training=True, group_size=2)
@@ -464,6 +468,7 @@ def compiled_against_reference(device, backend, shape, group_size, channels_last
     """A compiled training step of a batch of equal groups (torch ops, not the op) against the
     float64 reference: (output, grads, running stats) errors, and whether the memory format
     was kept."""
+    torch._dynamo.reset()  # (a compile per case: the module's recompile limit is 8)
     torch.manual_seed(0)
     layer = bb.nn.LocalBatchNorm2d(shape[1], group_size=group_size, affine=affine,
                                    momentum=1.0).to(device)
@@ -481,10 +486,9 @@ def compiled_against_reference(device, backend, shape, group_size, channels_last
     weight, bias = (layer.weight, layer.bias) if affine else (ones, ones * 0)
     expected, grads = reference_gradients(x, weight, bias, dy, group_size or shape[0])
     _, mean, var = reference(x.detach().cpu(), None, None, group_size or shape[0])
-    assert_relative_close(y.detach().cpu(), expected, 1e-5 if dtype == torch.float32 else 1e-2,
-                          "output")
-    assert_relative_close(x.grad.cpu(), grads[0], 1e-4 if dtype == torch.float32 else 2e-2,
-                          "grad_input")
+    exact = dtype in (torch.float32, torch.float64)
+    assert_relative_close(y.detach().cpu(), expected, 1e-5 if exact else 1e-2, "output")
+    assert_relative_close(x.grad.cpu(), grads[0], 1e-4 if exact else 2e-2, "grad_input")
     if affine:
         assert_relative_close(layer.weight.grad.cpu(), grads[1], 1e-4, "grad_weight")
         assert_relative_close(layer.bias.grad.cpu(), grads[2], 1e-4, "grad_bias")
@@ -497,12 +501,43 @@ def compiled_against_reference(device, backend, shape, group_size, channels_last
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("group_size, affine", [(4, True), (None, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+                         ids=["float32", "float64", "float16", "bfloat16"])
 def test_compiled_equal_groups_run_as_torch_ops_that_agree(device, channels_last, group_size,
-                                                           affine):
+                                                           affine, dtype):
     """Under torch.compile a batch of equal groups is normalized by torch ops (which the
     compiler fuses); they agree with the reference, the op's numbers, as the op does."""
     compiled_against_reference(device, "aot_eager", (12, 5, 3, 4), group_size, channels_last,
-                               affine)
+                               affine, dtype)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 2, 2), (2, 3), (2, 3, 1, 1)], ids=str)
+def test_compiled_empty_and_one_value_per_sample_match_eager(shape):
+    """An empty batch (the op: an empty output, running statistics kept) and one value per
+    sample and channel, compiled, as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    eager = bb.nn.LocalBatchNorm2d(3, group_size=2) if len(shape) == 4 else \
+        bb.nn.LocalBatchNorm1d(3, group_size=2)
+    compiled_layer = copy.deepcopy(eager)
+    y_eager = eager(x)
+    y = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)(x)
+    assert y.shape == y_eager.shape
+    assert_relative_close(y, y_eager, 1e-5, "output") if y.numel() else None
+    assert_relative_close(compiled_layer.running_var, eager.running_var, 1e-6, "running_var")
+    assert_relative_close(compiled_layer.running_mean, eager.running_mean, 1e-6, "running_mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64], ids=["int64", "complex64"])
+def test_compiled_refuses_what_the_op_refuses(dtype):
+    """Integer and complex inputs are refused by name under torch.compile too (the ops path
+    computed them without a word)."""
+    torch._dynamo.reset()
+    layer = torch.compile(bb.nn.LocalBatchNorm2d(3, group_size=2), backend="aot_eager",
+                          fullgraph=True)
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        layer(torch.ones(4, 3, 2, 2, dtype=dtype))
 
 
 @pytest.mark.slow
@@ -518,6 +553,7 @@ def test_inductor_compiles_equal_groups_channels_last(device, dtype, mean):
 
 def test_compiled_unequal_groups_take_the_op():
     """A tail group (10 = 4 + 4 + 2) goes through the op under torch.compile too."""
+    torch._dynamo.reset()
     layer = bb.nn.LocalBatchNorm2d(3, group_size=4)
     graph_ops = []
 

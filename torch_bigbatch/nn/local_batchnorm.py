@@ -49,6 +49,10 @@ def _refuse_forward_mode():
                            "nn.BatchNorm2d there, or reverse mode: torch.autograd.grad)")
 
 
+# The input dtypes the op's kernels take.
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _equal_groups_by_ops(input, weight, bias, group_size, eps):
     """The training pass of a batch of equal groups in torch ops, for torch.compile: inductor
     fuses them with the convolution and ReLU around them, as it does nn.BatchNorm's own
@@ -94,15 +98,19 @@ def local_batch_norm(input, running_mean, running_var, weight=None, bias=None, t
                          f"size {tuple(input.shape)}")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together")
-    for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
-        if stat is not None and stat.numel() != input.shape[1]:  # before the kernel runs
+    # (before the kernel runs, and under torch.compile, whose ops path would say it less clearly)
+    for name, stat in (("running_mean", running_mean), ("running_var", running_var),
+                       ("weight", weight), ("bias", bias)):
+        if stat is not None and stat.numel() != input.shape[1]:
             raise ValueError(f"{name} should contain {input.shape[1]} elements (one per channel) "
                              f"not {stat.numel()}")
     if input.numel() > 0 and input.numel() // input.shape[1] < 2:  # nn.BatchNorm's rule
         raise ValueError("Expected more than 1 value per channel when training, got input size "
                          f"{tuple(input.shape)}")
     size = max(2, input.shape[0]) if group_size is None else group_size
-    if torch.compiler.is_compiling() and input.numel() > 0 and input.shape[0] % size == 0:
+    # (other dtypes go to the op, which refuses them by name)
+    if (torch.compiler.is_compiling() and input.dtype in _KERNEL_DTYPES and input.numel() > 0
+            and input.shape[0] % size == 0):
         output, average_mean, average_var = _equal_groups_by_ops(input, weight, bias, size, eps)
     else:
         output, _, _, average_mean, average_var = torch.ops.torch_bigbatch.local_batch_norm(
