@@ -48,7 +48,8 @@ def median_ms(stmt, globals_, min_run_time):
     timer's overhead is 1e-4 of them: 0.3 s blocks for a 0.3 ms CUDA step, which took
     bench_batchnorm past a minute on an H200.)"""
     timer = benchmark.Timer(stmt=stmt, globals=globals_, num_threads=torch.get_num_threads())
-    once = timer.timeit(1).median  # also the warm-up
+    timer.timeit(1)  # the warm-up (first-call costs would make the blocks too short)
+    once = timer.timeit(1).median
     number = max(1, math.ceil(0.01 / max(once, 1e-9)))
     times = []
     start = time.perf_counter()
