@@ -193,6 +193,7 @@ def calls_on_one_tensor(rank, world_size, port, shape, engine):
     sparse = torch.sparse_coo_tensor([[rank]], [1.0], (world_size,), device=device)
     try:
         dist.all_reduce(sparse)
+        assert torch.equal(sparse.to_dense(), torch.ones(world_size, device=device))
     except RuntimeError as error:  # an engine without sparse allreduce says so
         assert "storage" not in str(error), error
     after = torch.full((100,), float(rank), device=device)
