@@ -10,10 +10,15 @@ the table gives the median ms per step, the speedup against torch's fused SGD, a
 achieved bandwidth (a step reads p, g, b and writes p, b: 5 * numel * element size bytes)
 as GB/s and as a % of a device-to-device copy measured in the same run.
 
+With --one-element, every tensor has one element: the step's cost apart from its bytes (the
+host's work in Python and C++ and the launches), which bounds a step on a GPU that moves the
+bytes faster than the host prepares the launch; bandwidth is not reported then.
+
 Run it from the repository root:
 
     python benchmarks/bench_optimizer.py                    # CPU, and CUDA when available
     python benchmarks/bench_optimizer.py --device cuda --dtype bfloat16 --csv results.csv
+    python benchmarks/bench_optimizer.py --one-element --device cpu
 """
 
 import os
@@ -56,10 +61,11 @@ def copy_gb_per_s(device, min_run_time):
     return 2 * COPY_BYTES / ms / 1e6
 
 
-def bench_device(shapes, device, dtype, min_run_time, rounds):
-    """One row per variant (median ms/step, speedup, bandwidth), and the copy GB/s. The variants
-    take turns over `rounds` rounds, so a drift in the machine's speed (it is shared) hits them
-    alike; a variant's time is the median of its rounds' medians."""
+def bench_device(shapes, device, dtype, min_run_time, rounds, bandwidth=True):
+    """One row per variant (median ms/step, speedup, bandwidth unless not `bandwidth`), and the
+    copy GB/s (None without bandwidth). The variants take turns over `rounds` rounds, so a drift
+    in the machine's speed (it is shared) hits them alike; a variant's time is the median of
+    its rounds' medians."""
     grads = [torch.randn(shape) for shape in shapes]
     optimizers = {}
     for name, make_optimizer in VARIANTS.items():
@@ -74,14 +80,14 @@ def bench_device(shapes, device, dtype, min_run_time, rounds):
     del optimizers
 
     step_bytes = 5 * sum(shape.numel() for shape in shapes) * dtype.itemsize
-    copy = copy_gb_per_s(device, min_run_time)
+    copy = copy_gb_per_s(device, min_run_time) if bandwidth else None
     rows = []
     for name, ms in timings.items():
-        gb_per_s = step_bytes / ms / 1e6
+        gb_per_s = step_bytes / ms / 1e6 if bandwidth else None
         rows.append({"device": device, "dtype": str(dtype).removeprefix("torch."),
                      "variant": name, "ms_per_step": ms,
                      "speedup_vs_torch_fused": timings[BASELINE] / ms,
-                     "gb_per_s": gb_per_s, "pct_of_copy": 100 * gb_per_s / copy})
+                     "gb_per_s": gb_per_s, "pct_of_copy": gb_per_s and 100 * gb_per_s / copy})
     return rows, copy
 
 
@@ -91,22 +97,29 @@ def print_table(rows, copies):
     print(header)
     print("-" * len(header))
     for row in rows:
+        bandwidth = ("       -       -" if row["gb_per_s"] is None
+                     else f"{row['gb_per_s']:>7.0f} {row['pct_of_copy']:>6.1f}%")
         print(f"{row['device']:<6} {row['variant']:<19} {row['ms_per_step']:>9.3f} "
-              f"{row['speedup_vs_torch_fused']:>8.2f}x {row['gb_per_s']:>7.0f} "
-              f"{row['pct_of_copy']:>6.1f}%")
+              f"{row['speedup_vs_torch_fused']:>8.2f}x {bandwidth}")
     for device in copies:
         ms = {row["variant"]: row["ms_per_step"] for row in rows if row["device"] == device}
         print(f"{device} LARS step / SGD step: "
               f"{ms['torch_bigbatch LARS'] / ms['torch_bigbatch']:.2f}x")
     for device, copy in copies.items():
-        print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
+        if copy is not None:
+            print(f"{device} copy_ of {COPY_BYTES // 2**20} MiB (read + write): {copy:.0f} GB/s")
 
 
 def main():
-    args = argument_parser(__doc__, min_run_time=3.0, rounds=5).parse_args()
+    args = argument_parser(__doc__, min_run_time=3.0, rounds=5, extra=[
+        (("--one-element",), {"action": "store_true",
+                              "help": "one element per tensor: the step's cost apart from bytes"}),
+    ]).parse_args()
     devices = pick_devices(args.device)
     with torch.device("meta"):  # the shapes only: no memory, no initialization
         shapes = [parameter.shape for parameter in torch_bigbatch.models.resnet50().parameters()]
+    if args.one_element:
+        shapes = [torch.Size([1])] * len(shapes)
     numel = sum(shape.numel() for shape in shapes)
 
     torch.set_num_threads(os.cpu_count())
@@ -118,7 +131,8 @@ def main():
     rows, copies = [], {}
     for device in devices:
         device_rows, copies[device] = bench_device(shapes, device, DTYPES[args.dtype],
-                                                   args.min_run_time, args.rounds)
+                                                   args.min_run_time, args.rounds,
+                                                   bandwidth=not args.one_element)
         rows += device_rows
     if args.csv:
         write_csv(args.csv, rows, CSV_FIELDS)
