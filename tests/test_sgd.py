@@ -496,3 +496,71 @@ def test_a_step_on_inference_tensors_outside_inference_mode_raises_with_nothing_
     with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
         bb.optim.SGD([weight], lr=0.1).step()
     assert torch.equal(weight, torch.ones(3))
+
+
+def _change_between_steps(optimizer, params, step):
+    """What a training loop may change between steps, each of which changes how a step sorts
+    its parameters into kernel launches (the fused step reuses the last step's sorting while
+    nothing it read has changed): applied the same to both optimizers."""
+    groups = optimizer.param_groups
+    if step == 3:  # a gradient goes missing
+        params[2].grad = None
+    elif step == 4:  # the momentum buffer replaced, in place of its state entry
+        optimizer.state[params[0]]["momentum_buffer"] = torch.full_like(params[0], 0.5)
+    elif step == 5:  # the whole state entry replaced by a new dict
+        optimizer.state[params[1]] = {"momentum_buffer": torch.full_like(params[1], -1.0)}
+    elif step == 6:  # a parameter moves to the next group (the list of all stays the same)
+        groups[1]["params"].insert(0, groups[0]["params"].pop())
+    elif step == 7:  # momentum off for a group: its buffers stay as they are
+        groups[0]["momentum"] = 0.0
+    elif step == 8:
+        groups[0]["momentum"] = 0.9
+    elif step == 9:  # a parameter replaced at its place in its group
+        replacement = params[3].detach().clone().requires_grad_()
+        replacement.grad = params[3].grad
+        place = next(i for i, p in enumerate(groups[1]["params"]) if p is params[3])
+        groups[1]["params"][place] = replacement
+        params[3] = replacement
+    elif step == 10:  # the state dropped
+        optimizer.state.clear()
+    elif step == 11:  # a saved state loaded back
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+def test_steps_follow_every_change_between_them_as_torch_sgd_does():
+    """The fused step reuses the last step's launches while the parameters, their groups, the
+    gradients present, momentum on or off and the state entries are the same objects: after each
+    change of those, the step is still torch.optim.SGD's."""
+    start = [p for p in make_params("cpu") if p.numel()]  # 5, none empty
+    results = []
+    for optimizer_class in (torch.optim.SGD, bb.optim.SGD):
+        params = [p.clone().requires_grad_() for p in start]
+        optimizer = optimizer_class([{"params": params[:3]}, {"params": params[3:], "lr": 0.03}],
+                                    lr=0.1, momentum=0.9, weight_decay=1e-2)
+        generator = torch.Generator().manual_seed(3)
+        trajectory = []
+        for step in range(14):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            _change_between_steps(optimizer, params, step)
+            optimizer.step()
+            trajectory.append([p.detach().clone() for p in params])
+        results.append(trajectory)
+    for step, (expected, ours) in enumerate(zip(*results)):
+        for i, (e, o) in enumerate(zip(expected, ours)):
+            assert_relative_close(o, e, 1e-6, f"parameter {i} after step {step}")
+
+
+def test_steps_that_change_nothing_reuse_the_launches():
+    """Where the step skips sorting the parameters (what the reuse is for)."""
+    params = [p.requires_grad_() for p in make_params("cpu")]
+    optimizer = bb.optim.SGD(params, lr=0.1, momentum=0.9)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        if step == 0:  # the first step makes the momentum buffers: the state changes
+            assert optimizer._launch_plan is None
+        elif step == 1:
+            plan = optimizer._launch_plan
+    assert optimizer._launch_plan is plan
