@@ -1,7 +1,9 @@
 """torch_bigbatch.optim.SGD against torch.optim.SGD, the trusted oracle."""
 
 import copy
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -564,3 +566,18 @@ def test_steps_that_change_nothing_reuse_the_launches():
         elif step == 1:
             plan = optimizer._launch_plan
     assert optimizer._launch_plan is plan
+
+
+def test_buffers_the_state_drops_are_freed():
+    """The launches kept for the next step hold no momentum buffer: clearing the state frees
+    them (as with torch.optim.SGD), with no step in between."""
+    params = [p.requires_grad_() for p in make_params("cpu")]
+    optimizer = bb.optim.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    buffers = [weakref.ref(state["momentum_buffer"]) for state in optimizer.state.values()]
+    optimizer.state.clear()
+    gc.collect()
+    assert buffers and all(buffer() is None for buffer in buffers)

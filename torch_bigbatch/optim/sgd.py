@@ -71,12 +71,13 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self, first_step, pending):
-        self.first_step = first_step
+    def __init__(self, mode, pending):
+        self.mode = mode
+        self.first_step = mode == _FIRST_STEP
         self.pending = pending  # the buffers' shared _PENDING flag, or None
-        self.params, self.buffers, self.group_of_tensor = [], [], []
-        self.indices = []  # of its parameters in the optimizer's, to pick this step's grads
-        self.grads = None  # this step's
+        self.params, self.group_of_tensor = [], []
+        self.indices = []  # of its parameters in the optimizer's, to pick a step's tensors
+        self.grads, self.buffers = None, []  # a step's
 
     def run(self, param_groups, **arguments):
         """The launch's kernel; an error names the parameter as param_groups does, not by its
@@ -101,18 +102,20 @@ def _state_entries(states, key):
 
 
 class _LaunchPlan:
-    """The launches of a step's parameters, and everything sorting them read: the parameters and
-    their groups, which have a gradient, momentum on or off, and the state's buffers and flags.
-    A later step that reads all of it the same (by identity) takes the plan's launches."""
+    """How a step's parameters go into launches, and what deciding that read: the parameters
+    and their groups, which have a gradient, momentum on or off, which have a momentum buffer,
+    and the state's flags of skipped first steps. A later step that reads the same (parameters
+    and flags by identity) takes these launches, with its own gradients and buffers: the plan
+    holds neither, so what the state drops is freed."""
 
-    def __init__(self, optimizer, params, grads, states):
+    def __init__(self, optimizer, params, grads, buffers, pendings):
         groups = optimizer.param_groups
         self.params = params
         self.group_sizes = [len(group["params"]) for group in groups]
         self.momentum_on = [group["momentum"] != 0 for group in groups]
         self.has_grad = [grad is not None for grad in grads]
-        self.buffers = _state_entries(states, "momentum_buffer")
-        self.pendings = _state_entries(states, _PENDING)
+        self.has_buffer = [buffer is not None for buffer in buffers]
+        self.pendings = pendings
         name = type(optimizer).__name__
         launches = {}
         group_of_param = (index for index, size in enumerate(self.group_sizes)
@@ -122,36 +125,33 @@ class _LaunchPlan:
                 continue
             if grad.is_sparse:
                 raise RuntimeError(f"{name} does not support sparse gradients")
-            buffer, mode, pending = None, _NO_BUFFER, None
+            mode, pending = _NO_BUFFER, None
             if self.momentum_on[group]:
-                buffer, pending = self.buffers[i], self.pendings[i]
-                mode = _FIRST_STEP if buffer is None else _UPDATE_BUFFER
+                mode = _UPDATE_BUFFER if self.has_buffer[i] else _FIRST_STEP
+                pending = pendings[i]
             key = (p.dtype, p.device, mode, id(pending))
             launch = launches.get(key)
             if launch is None:
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"{name} supports float32, float16 and bfloat16 "
                                     f"parameters, got {p.dtype}")
-                launch = launches[key] = _Launch(mode == _FIRST_STEP, pending)
+                launch = launches[key] = _Launch(mode, pending)
             launch.params.append(p)
             launch.indices.append(i)
-            if buffer is not None:
-                launch.buffers.append(buffer)
             launch.group_of_tensor.append(group)
         self.launches = list(launches.values())
         self.reusable = not any(launch.first_step or launch.pending is not None
                                 for launch in self.launches)
 
-    def fits(self, groups, params, grads, states):
+    def fits(self, groups, params, grads, buffers, pendings):
         """Whether a step that reads these would sort its parameters into the same launches."""
         return (len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))
                 and [len(group["params"]) for group in groups] == self.group_sizes
                 and [group["momentum"] != 0 for group in groups] == self.momentum_on
                 and [grad is not None for grad in grads] == self.has_grad
-                and all(map(operator.is_, _state_entries(states, "momentum_buffer"),
-                            self.buffers))
-                and all(map(operator.is_, _state_entries(states, _PENDING), self.pendings)))
+                and [buffer is not None for buffer in buffers] == self.has_buffer
+                and all(map(operator.is_, pendings, self.pendings)))
 
 
 class _FusedSGD(Optimizer):
@@ -208,16 +208,20 @@ class _FusedSGD(Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
         states = list(map(self.state.get, params))
+        buffers = _state_entries(states, "momentum_buffer")
+        pendings = _state_entries(states, _PENDING)
         plan = self._launch_plan
-        if plan is None or not plan.fits(self.param_groups, params, grads, states):
-            plan = _LaunchPlan(self, params, grads, states)
+        if plan is None or not plan.fits(self.param_groups, params, grads, buffers, pendings):
+            plan = _LaunchPlan(self, params, grads, buffers, pendings)
         # New momentum buffers only once every tensor has passed the plan's checks; they join
         # the state once their launch has run (see step). Such a plan, or one tracking skipped
         # first steps, serves one step: the state it read changes with it.
         self._launch_plan = plan if plan.reusable else None
         for launch in plan.launches:
             launch.grads = [grads[i] for i in launch.indices]
-            if launch.first_step:
+            if launch.mode == _UPDATE_BUFFER:
+                launch.buffers = [buffers[i] for i in launch.indices]
+            elif launch.first_step:
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
                 if found_inf is not None:  # this first step may be skipped on the device
                     launch.pending = found_inf.to(launch.params[0].device, copy=True)
@@ -268,21 +272,25 @@ class _FusedSGD(Optimizer):
         # The op checks a launch's tensors before it touches any: a launch that raises leaves
         # its parameters and their state as they were (launches of other dtypes or devices
         # that ran before it have stepped).
-        for launch in launches:
-            device = launch.params[0].device
-            device_found_inf = None if found_inf is None else found_inf.to(device)
-            launch.run(
-                self.param_groups,
-                **self._group_lists(device, momentum_scales),
-                grad_scale=None if grad_scale is None else grad_scale.to(device),
-                found_inf=device_found_inf,
-                first_step=launch.first_step,
-                first_step_pending=None if launch.first_step else launch.pending,
-            )
-            if launch.first_step:
-                for p, buffer in zip(launch.params, launch.buffers):
-                    self.state[p]["momentum_buffer"] = buffer
-            self._track_pending(launch, device_found_inf)
+        try:
+            for launch in launches:
+                device = launch.params[0].device
+                device_found_inf = None if found_inf is None else found_inf.to(device)
+                launch.run(
+                    self.param_groups,
+                    **self._group_lists(device, momentum_scales),
+                    grad_scale=None if grad_scale is None else grad_scale.to(device),
+                    found_inf=device_found_inf,
+                    first_step=launch.first_step,
+                    first_step_pending=None if launch.first_step else launch.pending,
+                )
+                if launch.first_step:
+                    for p, buffer in zip(launch.params, launch.buffers):
+                        self.state[p]["momentum_buffer"] = buffer
+                self._track_pending(launch, device_found_inf)
+        finally:  # the launches kept for the next step keep no gradient or buffer alive
+            for launch in launches:
+                launch.grads, launch.buffers = None, []
         for index in stepped:  # once every launch ran: a step that raises leaves it as it was
             group = self.param_groups[index]
             if _uncorrected_goyal(group):
