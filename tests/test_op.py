@@ -126,3 +126,73 @@ def test_op_checks_its_arguments():
         args["params"][0], args["grads"][0], args["momentum_buffers"][0] = (
             base[:, 0], torch.randn(66)[::2], torch.randn(66)[::2])
         op(**args)
+
+
+class _RecordingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordingTensor(torch.Tensor):
+    """A parameter type with a __torch_function__ of its own: it must see the step's op."""
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_eager_steps_call_the_kernel_directly_and_whatever_must_see_the_op_sees_it(monkeypatch):
+    """An eager step calls the kernel without torch's dispatcher (torch_bigbatch._C.sgd_step_,
+    half the op's host cost); under a dispatch mode, and for a parameter type with its own
+    __torch_function__, the step goes through the op, which they then see. Every way steps as
+    torch.optim.SGD does."""
+    direct_calls = []
+    module = bb.optim.sgd._C
+
+    class CountingC:
+        def sgd_step_(self, *args, **kwargs):
+            direct_calls.append(1)
+            return module.sgd_step_(*args, **kwargs)
+
+    monkeypatch.setattr(bb.optim.sgd, "_C", CountingC())
+
+    def step(weight, mode=None):
+        optimizer = bb.optim.SGD([weight], lr=0.1, momentum=0.9)
+        expected = weight.detach().clone().requires_grad_()
+        reference = torch.optim.SGD([expected], lr=0.1, momentum=0.9)
+        for _ in range(2):
+            weight.grad, expected.grad = torch.ones(3), torch.ones(3)
+            if mode is None:
+                optimizer.step()
+            else:
+                with mode:
+                    optimizer.step()
+            reference.step()
+        torch.testing.assert_close(weight.detach().as_subclass(torch.Tensor), expected.detach())
+
+    step(torch.nn.Parameter(torch.zeros(3)))
+    assert len(direct_calls) == 2
+    mode = _RecordingMode()
+    step(torch.nn.Parameter(torch.zeros(3)), mode)
+    assert len(direct_calls) == 2
+    assert mode.ops.count("torch_bigbatch.sgd_step_.default") == 2
+    step(torch.zeros(3).as_subclass(_RecordingTensor).requires_grad_())
+    assert len(direct_calls) == 2
+    assert _RecordingTensor.seen.count("torch_bigbatch.sgd_step_") == 2
+
+
+def test_the_profiler_names_the_step():
+    """The direct call records the op's name, as the op does."""
+    weight = torch.zeros(3, requires_grad=True)
+    weight.grad = torch.ones(3)
+    optimizer = bb.optim.SGD([weight], lr=0.1, momentum=0.9)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        optimizer.step()
+    assert [event.name for event in profile.events()].count("torch_bigbatch::sgd_step_") == 1

@@ -30,6 +30,8 @@ void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* 
               " on ", param.device(), ")");
 }
 
+}  // namespace
+
 // The op: every argument checked before any tensor is touched.
 void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                at::IntArrayRef group_of_tensor, at::ArrayRef<double> lr,
@@ -126,8 +128,6 @@ void sgd_step_(at::TensorList params, at::TensorList grads, at::TensorList momen
   SgdLaunchers::get(device.type(), "torch_bigbatch::sgd_step_")(step, params);
   for (auto& [buffer, copy] : write_back) buffer.copy_(copy);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(torch_bigbatch, CPU, m) { m.impl("sgd_step_", &sgd_step_); }
 TORCH_LIBRARY_IMPL(torch_bigbatch, CUDA, m) { m.impl("sgd_step_", &sgd_step_); }

@@ -11,6 +11,8 @@ import re
 import torch
 from torch.optim import Optimizer
 
+from .. import _C
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MOMENTUM_FORMS = ("torch", "goyal")
 _NO_BUFFER, _FIRST_STEP, _UPDATE_BUFFER = range(3)  # how a launch treats momentum buffers
@@ -20,6 +22,16 @@ _NO_BUFFER, _FIRST_STEP, _UPDATE_BUFFER = range(3)  # how a launch treats moment
 # Under GradScaler the key stays in `state` once 0 (telling would take a sync); state_dict()
 # and loading leave it out.
 _PENDING = "first_step_pending"
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # no __torch_function__ of their own
+
+
+def _dispatcher_needed():
+    """Whether the step must reach its kernel through torch's dispatcher (torch.ops) rather than
+    directly (torch_bigbatch._C.sgd_step_, half the op's host cost for ResNet-50's 161 tensors,
+    csrc/optim/sgd_python.cpp): while torch.compile traces it, and under the modes that see every
+    op (FakeTensorMode, FlopCounterMode, __torch_function__ modes)."""
+    return (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() > 0)
 
 
 def _check_group(group):
@@ -71,20 +83,25 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self, mode, pending):
+    def __init__(self, device, mode, pending):
         self.mode = mode
         self.first_step = mode == _FIRST_STEP
         self.pending = pending  # the buffers' shared _PENDING flag, or None
         self.params, self.group_of_tensor = [], []
+        # The kernel may be called directly (see _dispatcher_needed): a device of ours, and
+        # every parameter and gradient a plain tensor (or nn.Parameter). Meta tensors, for
+        # one, go to the op's fake kernel.
+        self.direct = device.type in ("cpu", "cuda")
         self.indices = []  # of its parameters in the optimizer's, to pick a step's tensors
         self.grads, self.buffers = None, []  # a step's
 
     def run(self, param_groups, **arguments):
         """The launch's kernel; an error names the parameter as param_groups does, not by its
         place in this launch (found only then: nothing extra on the step's path)."""
+        step = (_C.sgd_step_ if self.direct and not _dispatcher_needed()
+                else torch.ops.torch_bigbatch.sgd_step_)
         try:
-            torch.ops.torch_bigbatch.sgd_step_(self.params, self.grads, self.buffers,
-                                               self.group_of_tensor, **arguments)
+            step(self.params, self.grads, self.buffers, self.group_of_tensor, **arguments)
         except (RuntimeError, ValueError, TypeError) as error:
             def place(match):
                 tensor = int(match.group(2))
@@ -135,9 +152,10 @@ class _LaunchPlan:
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"{name} supports float32, float16 and bfloat16 "
                                     f"parameters, got {p.dtype}")
-                launch = launches[key] = _Launch(mode, pending)
+                launch = launches[key] = _Launch(p.device, mode, pending)
             launch.params.append(p)
             launch.indices.append(i)
+            launch.direct = launch.direct and type(p) in _PLAIN_TYPES and type(grad) is torch.Tensor
             launch.group_of_tensor.append(group)
         self.launches = list(launches.values())
         self.reusable = not any(launch.first_step or launch.pending is not None
