@@ -186,6 +186,14 @@ def test_eager_steps_call_the_kernel_directly_and_whatever_must_see_the_op_sees_
     step(torch.zeros(3).as_subclass(_RecordingTensor).requires_grad_())
     assert len(direct_calls) == 2
     assert _RecordingTensor.seen.count("torch_bigbatch.sgd_step_") == 2
+    # A gradient of such a type, where the step before had a plain one (the launches are kept).
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = bb.optim.SGD([weight], lr=0.1, momentum=0.9)
+    for grad in (torch.ones(3), torch.ones(3), torch.ones(3).as_subclass(_RecordingTensor)):
+        weight.grad = grad
+        optimizer.step()
+    assert len(direct_calls) == 4
+    assert _RecordingTensor.seen.count("torch_bigbatch.sgd_step_") == 3
 
 
 def test_the_profiler_names_the_step():

@@ -120,8 +120,8 @@ def _state_entries(states, key):
 
 class _LaunchPlan:
     """How a step's parameters go into launches, and what deciding that read: the parameters
-    and their groups, which have a gradient, momentum on or off, which have a momentum buffer,
-    and the state's flags of skipped first steps. A later step that reads the same (parameters
+    and their groups, the gradients' types (None where there is none), momentum on or off,
+    which have a momentum buffer, and the state's flags of skipped first steps. A later step that reads the same (parameters
     and flags by identity) takes these launches, with its own gradients and buffers: the plan
     holds neither, so what the state drops is freed."""
 
@@ -130,7 +130,7 @@ class _LaunchPlan:
         self.params = params
         self.group_sizes = [len(group["params"]) for group in groups]
         self.momentum_on = [group["momentum"] != 0 for group in groups]
-        self.has_grad = [grad is not None for grad in grads]
+        self.grad_types = list(map(type, grads))
         self.has_buffer = [buffer is not None for buffer in buffers]
         self.pendings = pendings
         name = type(optimizer).__name__
@@ -167,7 +167,7 @@ class _LaunchPlan:
                 and all(map(operator.is_, params, self.params))
                 and [len(group["params"]) for group in groups] == self.group_sizes
                 and [group["momentum"] != 0 for group in groups] == self.momentum_on
-                and [grad is not None for grad in grads] == self.has_grad
+                and list(map(type, grads)) == self.grad_types
                 and [buffer is not None for buffer in buffers] == self.has_buffer
                 and all(map(operator.is_, pendings, self.pendings)))
 
