@@ -53,3 +53,28 @@ def test_the_torus_serves_cuda_tensors(tmp_path):
         assert group._get_backend(torch.device("cuda")) is cpu_backend
     finally:
         dist.destroy_process_group()
+
+
+def test_an_sgd_step_is_torchs_in_this_torch():
+    """The step's two ways to its kernel, direct (an eager step) and through the op (under a
+    dispatch mode), against torch.optim.SGD in this environment's torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for mode in (None, PassThrough()):
+        weight = torch.nn.Parameter(torch.arange(4.0))
+        expected = torch.nn.Parameter(torch.arange(4.0))
+        ours = bb.optim.SGD([weight], lr=0.1, momentum=0.9, weight_decay=0.01)
+        theirs = torch.optim.SGD([expected], lr=0.1, momentum=0.9, weight_decay=0.01)
+        for _ in range(3):
+            weight.grad, expected.grad = torch.ones(4), torch.ones(4)
+            if mode is None:
+                ours.step()
+            else:
+                with mode:
+                    ours.step()
+            theirs.step()
+        torch.testing.assert_close(weight.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
