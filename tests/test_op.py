@@ -138,6 +138,16 @@ class _RecordingMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RecordingFunctionMode(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.functions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.functions.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class _RecordingTensor(torch.Tensor):
     """A parameter type with a __torch_function__ of its own: it must see the step's op."""
     seen = []
@@ -183,6 +193,10 @@ def test_eager_steps_call_the_kernel_directly_and_whatever_must_see_the_op_sees_
     step(torch.nn.Parameter(torch.zeros(3)), mode)
     assert len(direct_calls) == 2
     assert mode.ops.count("torch_bigbatch.sgd_step_.default") == 2
+    function_mode = _RecordingFunctionMode()
+    step(torch.nn.Parameter(torch.zeros(3)), function_mode)
+    assert len(direct_calls) == 2
+    assert function_mode.functions.count("torch_bigbatch.sgd_step_") == 2
     step(torch.zeros(3).as_subclass(_RecordingTensor).requires_grad_())
     assert len(direct_calls) == 2
     assert _RecordingTensor.seen.count("torch_bigbatch.sgd_step_") == 2
@@ -204,3 +218,27 @@ def test_the_profiler_names_the_step():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         optimizer.step()
     assert [event.name for event in profile.events()].count("torch_bigbatch::sgd_step_") == 1
+
+
+def test_gradients_the_dispatcher_resolves_first_step_as_torchs():
+    """A gradient without memory of its own (torch.sgn's: a zero tensor) or lazily negated
+    reaches the kernel as the dispatcher resolves it (the direct call read a null pointer and
+    crashed the process, or took -1 for 1)."""
+    def sgn_gradient(weight):
+        (torch.sgn(weight) * torch.arange(4.0)).sum().backward()
+        assert weight.grad._is_zerotensor()
+
+    def negated_gradient(weight):
+        weight.grad = torch._neg_view(torch.ones(4))
+
+    for set_gradient in (sgn_gradient, negated_gradient):
+        weight = torch.nn.Parameter(torch.arange(4.0) - 1.5)
+        expected = torch.nn.Parameter(weight.detach().clone())
+        ours = bb.optim.SGD([weight], lr=0.1, momentum=0.9, weight_decay=0.1)
+        theirs = torch.optim.SGD([expected], lr=0.1, momentum=0.9, weight_decay=0.1)
+        for _ in range(3):
+            for parameter, optimizer in ((weight, ours), (expected, theirs)):
+                optimizer.zero_grad()
+                set_gradient(parameter)
+                optimizer.step()
+        torch.testing.assert_close(weight.detach(), expected.detach(), rtol=1e-6, atol=1e-7)
