@@ -37,7 +37,14 @@ def test_step_runs_under_torch_compile(device):
     models[1].load_state_dict(models[0].state_dict())
     optimizers = [bb.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True,
                                weight_decay=1e-3) for m in models]
-    compiled_step = torch.compile(optimizers[1].step)
+    graphs = []
+
+    def backend(graph_module, example_inputs):  # records what dynamo traced, then inductor
+        graphs.append(str(graph_module.graph))
+        return torch._inductor.compile(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled_step = torch.compile(optimizers[1].step, backend=backend)
     x = torch.randn(16, 8, device=device)
     for _ in range(4):
         for model in models:
@@ -47,6 +54,8 @@ def test_step_runs_under_torch_compile(device):
         compiled_step()
     for eager, compiled in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    # The op is in the traced graph (the direct entry, opaque to dynamo, would break it).
+    assert any("torch_bigbatch.sgd_step_" in graph for graph in graphs)
 
 
 def test_bad_hyperparameters_get_torchs_errors():
