@@ -96,6 +96,36 @@ def test_sparse_gradient_is_refused_before_any_update():
     assert not any("momentum_buffer" in s for s in optimizer.state.values())  # none created
 
 
+def test_sparse_gradient_after_dense_steps_is_refused_by_name():
+    # The third step reuses the second's launches, which looked at the gradients' layout (the
+    # first step's, which made the momentum buffers, serve that step alone).
+    embedding = torch.nn.Embedding(10, 3)
+    optimizer = bb.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9)
+    embedding.weight.grad = torch.ones(10, 3)
+    optimizer.step()
+    optimizer.step()
+    before = embedding.weight.detach().clone()
+    buffer = optimizer.state[embedding.weight]["momentum_buffer"].clone()
+    embedding.weight.grad = torch.ones(10, 3).to_sparse()
+    with pytest.raises(RuntimeError, match="^SGD does not support sparse gradients"):
+        optimizer.step()
+    torch.testing.assert_close(embedding.weight.detach(), before, rtol=0, atol=0)
+    torch.testing.assert_close(optimizer.state[embedding.weight]["momentum_buffer"], buffer,
+                               rtol=0, atol=0)
+
+
+def test_state_that_is_not_a_defaultdict_raises_before_any_update():
+    # As torch.optim.SGD: its first step reads self.state[p] before it changes anything.
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = bb.optim.SGD([p], lr=0.1, momentum=0.9)
+    optimizer.state = {}
+    p.grad = torch.ones(3)
+    with pytest.raises(KeyError):
+        optimizer.step()
+    torch.testing.assert_close(p.detach(), torch.ones(3), rtol=0, atol=0)
+    assert optimizer.state == {}
+
+
 def test_unsupported_dtype_is_refused():
     p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     optimizer = bb.optim.SGD([p], lr=0.1)

@@ -83,7 +83,8 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self, device, mode, pending):
+    def __init__(self, name, device, mode, pending):
+        self.name = name  # the optimizer's class, for errors
         self.mode = mode
         self.first_step = mode == _FIRST_STEP
         self.pending = pending  # the buffers' shared _PENDING flag, or None
@@ -94,6 +95,7 @@ class _Launch:
         self.direct = device.type in ("cpu", "cuda")
         self.indices = []  # of its parameters in the optimizer's, to pick a step's tensors
         self.grads, self.buffers = None, []  # a step's
+        self.states = []  # a first step's: the parameters' state, where its buffers go
 
     def run(self, param_groups, **arguments):
         """The launch's kernel; an error names the parameter as param_groups does, not by its
@@ -103,6 +105,10 @@ class _Launch:
         try:
             step(self.params, self.grads, self.buffers, self.group_of_tensor, **arguments)
         except (RuntimeError, ValueError, TypeError) as error:
+            # A plan reused from a step with dense gradients does not look at their layout
+            # again (one more attribute per gradient on every step): the op refuses it, in
+            # the dispatcher's words.
+            _refuse_sparse(self.name, self.grads)
             def place(match):
                 tensor = int(match.group(2))
                 group = self.group_of_tensor[tensor]
@@ -112,6 +118,11 @@ class _Launch:
             error.args = (re.sub(r"\b(params|grads|momentum_buffers)\[(\d+)\]", place,
                                  str(error), count=1),) + error.args[1:]
             raise
+
+
+def _refuse_sparse(name, grads):
+    if any(grad is not None and grad.is_sparse for grad in grads):
+        raise RuntimeError(f"{name} does not support sparse gradients")
 
 
 def _state_entries(states, key):
@@ -140,8 +151,7 @@ class _LaunchPlan:
         for i, (p, grad, group) in enumerate(zip(params, grads, group_of_param)):
             if grad is None:
                 continue
-            if grad.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients")
+            _refuse_sparse(name, [grad])
             mode, pending = _NO_BUFFER, None
             if self.momentum_on[group]:
                 mode = _UPDATE_BUFFER if self.has_buffer[i] else _FIRST_STEP
@@ -152,7 +162,7 @@ class _LaunchPlan:
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"{name} supports float32, float16 and bfloat16 "
                                     f"parameters, got {p.dtype}")
-                launch = launches[key] = _Launch(p.device, mode, pending)
+                launch = launches[key] = _Launch(name, p.device, mode, pending)
             launch.params.append(p)
             launch.indices.append(i)
             launch.direct = launch.direct and type(p) in _PLAIN_TYPES and type(grad) is torch.Tensor
@@ -240,6 +250,9 @@ class _FusedSGD(Optimizer):
             if launch.mode == _UPDATE_BUFFER:
                 launch.buffers = [buffers[i] for i in launch.indices]
             elif launch.first_step:
+                # Their state before any launch runs: a state that is no defaultdict (as
+                # torch.optim's) raises here, where no parameter has moved yet.
+                launch.states = [self.state[p] for p in launch.params]
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
                 if found_inf is not None:  # this first step may be skipped on the device
                     launch.pending = found_inf.to(launch.params[0].device, copy=True)
@@ -302,13 +315,12 @@ class _FusedSGD(Optimizer):
                     first_step=launch.first_step,
                     first_step_pending=None if launch.first_step else launch.pending,
                 )
-                if launch.first_step:
-                    for p, buffer in zip(launch.params, launch.buffers):
-                        self.state[p]["momentum_buffer"] = buffer
+                for param_state, buffer in zip(launch.states, launch.buffers):
+                    param_state["momentum_buffer"] = buffer
                 self._track_pending(launch, device_found_inf)
         finally:  # the launches kept for the next step keep no gradient or buffer alive
             for launch in launches:
-                launch.grads, launch.buffers = None, []
+                launch.grads, launch.buffers, launch.states = None, [], []
         for index in stepped:  # once every launch ran: a step that raises leaves it as it was
             group = self.param_groups[index]
             if _uncorrected_goyal(group):
