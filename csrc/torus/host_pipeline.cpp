@@ -282,6 +282,13 @@ Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int
 // buffer by then, as a plain Gloo allreduce does, and all of them fail at the call's end.
 constexpr int kDataTag = 0;
 constexpr int kHeaderTag = 1;
+// The column's reduce-scatter and allgather share its group, one TCP connection per peer, and
+// tell their messages apart by tag (each phase still waits on a thread of its own). With a
+// group for each, the allgather's flow started cold on the node's link after the
+// reduce-scatter's: 2 nodes x 2 at 1 Gbit/s ran 1.25-1.40x Gloo at 4-64 MiB against
+// 1.34-1.47x shared (four runs taking turns; docs/results.md, section 3).
+constexpr int kColumnGatherTag = 2;
+int data_tag(Phase phase) { return phase == Phase::ColumnGather ? kColumnGatherTag : kDataTag; }
 
 struct Transfer {
   int peer;  // its rank in the phase's group
@@ -325,7 +332,7 @@ Posted post_receives(const ContextPtr& context, const SegmentPtr& segment, c10d:
   for (const Transfer& transfer : receives)
     if (transfer.data.numel() > 0)
       posted.works.push_back(post(*context, *segment, group, phase, false, transfer.data,
-                                  transfer.peer, kDataTag));
+                                  transfer.peer, data_tag(phase)));
   return posted;
 }
 
@@ -347,7 +354,7 @@ void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10
   for (const Transfer& transfer : sends)
     if (transfer.data.numel() > 0)
       works.push_back(post(*context, *segment, group, phase, true, transfer.data, transfer.peer,
-                           kDataTag));
+                           data_tag(phase)));
   works.insert(works.end(), posted.works.begin(), posted.works.end());
   posted.works.clear();
   waiter.wait_then(std::move(works), [context, segment, posted = std::move(posted), phase,
@@ -468,7 +475,7 @@ void post_later_receives(const ContextPtr& context, const SegmentPtr& segment) {
     segment->column_posted = post_receives(context, segment, *engines.column, shape.column_ranks(),
                                            y, contributions, Phase::ColumnScatter);
     // No headers in the column allgather: the column reduce-scatter compared the column's calls.
-    segment->column_gather_posted = post_receives(context, segment, *engines.column_gather, {}, y,
+    segment->column_gather_posted = post_receives(context, segment, *engines.column, {}, y,
                                                   results, Phase::ColumnGather);
   }
   if (shape.columns > 1) {
@@ -580,7 +587,7 @@ void after_column_scatter(const ContextPtr& context, const SegmentPtr& segment) 
   std::vector<Transfer> sends;
   for (int j = 0; j < shape.rows; ++j)
     if (j != y) sends.push_back({j, piece});
-  exchange_directly(context, segment, *context->engines.column_gather,
+  exchange_directly(context, segment, *context->engines.column,
                     std::move(segment->column_gather_posted), sends,
                     context->column_gather_waiter, Phase::ColumnGather, column_done);
 }

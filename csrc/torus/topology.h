@@ -58,15 +58,14 @@ std::string describe_call(int64_t numel, int32_t kind);
 std::string describe_mismatch(const TorusShape& shape, const std::string& detail, int64_t numel,
                               int32_t kind);
 
-// Each phase has a group of its own (the row and, on the host, the column twice), so that phases
-// of different segments run at once and every group sees its collectives in one fixed order.
+// The row has a group per phase, so that phases of different segments run at once and every
+// group sees its collectives in one fixed order; the column one group (on the host its
+// reduce-scatter and allgather tell their messages apart by tag: host_pipeline.cpp).
 struct Engines {
   c10::intrusive_ptr<c10d::Backend> whole;          // every rank: flat and delegated collectives
   c10::intrusive_ptr<c10d::Backend> row_scatter;    // this rank's row (null when X == 1)
   c10::intrusive_ptr<c10d::Backend> column;         // this rank's column (null when Y == 1): its
                                                     // reduce-scatter (host) or allreduce (CUDA)
-  c10::intrusive_ptr<c10d::Backend> column_gather;  // the column again, for the host's allgather
-                                                    // (only when Y > 2, and not on CUDA)
   c10::intrusive_ptr<c10d::Backend> row_gather;     // this rank's row again (null when X == 1)
   // Whether the Works of these engines on device tensors order the caller's stream only once
   // they have run on the host: Gloo's CUDA collectives copy through host memory on its worker

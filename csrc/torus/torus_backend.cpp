@@ -98,8 +98,6 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
                 "torus: the row and column process groups do not match the shape ",
                 shape_.columns, "x", shape_.rows);
   }
-  TORCH_CHECK(!cpu_ || (shape_.rows > 1) == bool(cpu_->column_gather),
-              "torus: the host pipeline needs a second column group when Y > 1, and only then");
   host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, delivery_order_);
   if (cuda_)
     stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_,
@@ -544,8 +542,8 @@ uint64_t TorusBackend::getSequenceNumberForGroup() {
 void TorusBackend::for_each_group(const std::function<void(c10d::Backend&)>& visit) {
   for (auto* engines : {cpu_ ? &*cpu_ : nullptr, cuda_ ? &*cuda_ : nullptr}) {
     if (engines == nullptr) continue;
-    for (auto& group : {engines->whole, engines->row_scatter, engines->column,
-                        engines->column_gather, engines->row_gather})
+    for (auto& group :
+         {engines->whole, engines->row_scatter, engines->column, engines->row_gather})
       if (group) visit(*group);
   }
 }

@@ -112,18 +112,16 @@ void bind_torus(py::module& m) {
       .def(py::init([](c10::intrusive_ptr<c10d::Backend> whole,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> row_scatter,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> column,
-                       std::optional<c10::intrusive_ptr<c10d::Backend>> column_gather,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> row_gather,
                        bool ordered_on_host) {
              return Engines{std::move(whole),
                             row_scatter.value_or(nullptr),
                             column.value_or(nullptr),
-                            column_gather.value_or(nullptr),
                             row_gather.value_or(nullptr),
                             ordered_on_host};
            }),
-           py::arg("whole"), py::arg("row_scatter"), py::arg("column"),
-           py::arg("column_gather"), py::arg("row_gather"), py::arg("ordered_on_host") = false);
+           py::arg("whole"), py::arg("row_scatter"), py::arg("column"), py::arg("row_gather"),
+           py::arg("ordered_on_host") = false);
 
   py::class_<TorusBackend, c10d::Backend, c10::intrusive_ptr<TorusBackend>>(m, "TorusBackend")
       .def(py::init([](int rank, int size, int columns, int rows, std::optional<Engines> cpu,

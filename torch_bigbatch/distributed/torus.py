@@ -384,10 +384,9 @@ def _nccl_group(store, rank, size, timeout, threads):
     return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
-def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gather,
-             ordered_on_host=False):
-    """The whole group, the row (once per row phase) and the column (once, or once per column
-    phase with `column_gather`) of `rank`, each from its own PrefixStore. Every rank builds
+def _engines(make_group, store, prefix, rank, columns, rows, timeout, ordered_on_host=False):
+    """The whole group, the row (once per row phase) and the column of `rank`, each from its own
+    PrefixStore. Every rank builds
     them in the same order, so Gloo's connection rendezvous (which blocks until the group's
     members arrive) cannot deadlock. `ordered_on_host`: the groups' Works on CUDA tensors order
     the caller's stream only once they have run (Gloo's)."""
@@ -400,10 +399,8 @@ def _engines(make_group, store, prefix, rank, columns, rows, timeout, column_gat
     whole = group("whole", rank, columns * rows, threads=2)
     row_scatter = group(f"row{y}/scatter", x, columns) if columns > 1 else None
     column = group(f"column{x}", y, rows) if rows > 1 else None
-    gather = group(f"column{x}/gather", y, rows) if rows > 1 and column_gather else None
     row_gather = group(f"row{y}/gather", x, columns) if columns > 1 else None
-    return _C.TorusEngines(whole, row_scatter, column, gather, row_gather,
-                           ordered_on_host=ordered_on_host)
+    return _C.TorusEngines(whole, row_scatter, column, row_gather, ordered_on_host=ordered_on_host)
 
 
 def _compare(store, rank, size, key, spec):
@@ -503,17 +500,16 @@ def create_torus_backend(backend_options, pg_options=None):
     host = _agree_on_route(store, rank, size)
     binding = _gloo_devices(dist.PrefixStore("cpu/", store), host, rank, size)
     cpu = _engines(functools.partial(_gloo_group, binding), store, "cpu", rank, columns, rows,
-                   timeout, column_gather=True)
+                   timeout)
     cuda = None
     # A build without its CUDA half (TORCH_BIGBATCH_CPU_ONLY=1) has none of the pipelines' CUDA
     # glue (events, capture checks): CUDA tensors are refused with a message, not half-run.
     if _C.WITH_CUDA and torch.cuda.is_available():
         if options.cuda_engine == "gloo":
             cuda = _engines(functools.partial(_gloo_group, binding), store, "cuda", rank,
-                            columns, rows, timeout, column_gather=False, ordered_on_host=True)
+                            columns, rows, timeout, ordered_on_host=True)
         elif dist.is_nccl_available():
-            cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout,
-                            column_gather=False)
+            cuda = _engines(_nccl_group, store, "cuda", rank, columns, rows, timeout)
     # The tuner's own group: it agrees on the times of classes measured on the host from a
     # thread of its own, which must not cross the callers' collectives on the whole group.
     cpu_tuning = _tuning(options, "cpu", size)
