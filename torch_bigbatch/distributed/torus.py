@@ -386,10 +386,9 @@ def _nccl_group(store, rank, size, timeout, threads):
 
 def _engines(make_group, store, prefix, rank, columns, rows, timeout, ordered_on_host=False):
     """The whole group, the row (once per row phase) and the column of `rank`, each from its own
-    PrefixStore. Every rank builds
-    them in the same order, so Gloo's connection rendezvous (which blocks until the group's
-    members arrive) cannot deadlock. `ordered_on_host`: the groups' Works on CUDA tensors order
-    the caller's stream only once they have run (Gloo's)."""
+    PrefixStore. Every rank builds them in the same order, so Gloo's connection rendezvous
+    (which blocks until the group's members arrive) cannot deadlock. `ordered_on_host`: the
+    groups' Works on CUDA tensors order the caller's stream only once they have run (Gloo's)."""
     x, y = rank % columns, rank // columns
 
     def group(name, group_rank, group_size, threads=1):
