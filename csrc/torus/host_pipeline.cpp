@@ -280,15 +280,15 @@ Exchange column_one_shot_in(const TorusShape& shape, const Segment& segment, int
 // and of what it receives. The headers that an alltoall's regions carry are exchanged once per
 // call instead, with its last segment; ranks whose calls differ have written the caller's
 // buffer by then, as a plain Gloo allreduce does, and all of them fail at the call's end.
-constexpr int kDataTag = 0;
-constexpr int kHeaderTag = 1;
-// The column's reduce-scatter and allgather share its group, one TCP connection per peer, and
-// tell their messages apart by tag (each phase still waits on a thread of its own). With a
-// group for each, the allgather's flow started cold on the node's link after the
-// reduce-scatter's: 2 nodes x 2 at 1 Gbit/s ran 1.25-1.40x Gloo at 4-64 MiB against
-// 1.34-1.47x shared (four runs taking turns; docs/results.md, section 3).
-constexpr int kColumnGatherTag = 2;
-int data_tag(Phase phase) { return phase == Phase::ColumnGather ? kColumnGatherTag : kDataTag; }
+//
+// Every message is tagged with its phase (and whether it is a header), so phases may share a
+// group: the column's reduce-scatter and allgather share one, one TCP connection per peer, each
+// phase still waiting on a thread of its own. With a group for each, the allgather's flow
+// started cold on the node's link after the reduce-scatter's: 2 nodes x 2 at 1 Gbit/s ran
+// 1.25-1.40x Gloo at 4-64 MiB against 1.34-1.47x shared (four runs taking turns;
+// docs/results.md, section 3).
+int data_tag(Phase phase) { return 2 * static_cast<int>(phase); }
+int header_tag(Phase phase) { return 2 * static_cast<int>(phase) + 1; }
 
 struct Transfer {
   int peer;  // its rank in the phase's group
@@ -327,7 +327,7 @@ Posted post_receives(const ContextPtr& context, const SegmentPtr& segment, c10d:
     for (int j = 0; j < count; ++j)
       if (j != me)
         posted.works.push_back(post(*context, *segment, group, phase, false, posted.headers[j], j,
-                                    kHeaderTag));
+                                    header_tag(phase)));
   }
   for (const Transfer& transfer : receives)
     if (transfer.data.numel() > 0)
@@ -349,7 +349,7 @@ void exchange_directly(const ContextPtr& context, const SegmentPtr& segment, c10
     std::memcpy(sent.data_ptr<uint8_t>(), &header, sizeof header);
     for (int j = 0; j < static_cast<int>(posted.members.size()); ++j)
       if (j != posted.me)
-        works.push_back(post(*context, *segment, group, phase, true, sent, j, kHeaderTag));
+        works.push_back(post(*context, *segment, group, phase, true, sent, j, header_tag(phase)));
   }
   for (const Transfer& transfer : sends)
     if (transfer.data.numel() > 0)

@@ -148,10 +148,10 @@ class _LaunchPlan:
         launches = {}
         group_of_param = (index for index, size in enumerate(self.group_sizes)
                           for _ in range(size))
+        _refuse_sparse(name, grads)
         for i, (p, grad, group) in enumerate(zip(params, grads, group_of_param)):
             if grad is None:
                 continue
-            _refuse_sparse(name, [grad])
             mode, pending = _NO_BUFFER, None
             if self.momentum_on[group]:
                 mode = _UPDATE_BUFFER if self.has_buffer[i] else _FIRST_STEP
