@@ -41,8 +41,11 @@ CASES = {
                  15),
 }
 PROGRESS = re.compile(r"step (\d+)/\d+ .* batch (\d+) (\d+) img/s")
+# Rank 0's log line at the tuner's decision of a size class (csrc/torus/algorithm_tuner.cpp).
+DECISION = re.compile(r"torch_bigbatch torus \([^)]*\): \S+ allreduces (?:over \S+ \S+ )?"
+                      r"up to (\S+ \S+) run (flat|torus \([^)]*\))")
 CSV_FIELDS = ["case", "nodes", "rate", "processes", "backend", "images_per_second",
-              "torus_over_gloo"]
+              "torus_over_gloo", "torus_choices"]
 
 
 def steady_rate(output, settled=0):
@@ -57,6 +60,12 @@ def steady_rate(output, settled=0):
     return (last - first) * batch / seconds
 
 
+def decisions(output):
+    """What auto ran, per size class decided in the run: "up to 512 KiB: torus (8 MiB
+    segments)"; empty for gloo, or where no class was decided."""
+    return "; ".join(f"up to {top}: {choice}" for top, choice in DECISION.findall(output))
+
+
 def job_arguments(case, backend, output):
     arguments, steps, every, _ = CASES[case]
     return [os.path.join(ROOT, "examples", "train_resnet50.py"), *arguments, "--backend",
@@ -65,7 +74,8 @@ def job_arguments(case, backend, output):
 
 
 def run(case, processes, backend, timeout, nodes=1, rate=None):
-    """Rank 0's output of one run: under torchrun here, or on `nodes` emulated nodes."""
+    """One run's steady rate and what auto decided, from rank 0's output: under torchrun
+    here, or on `nodes` emulated nodes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as output:
         job = job_arguments(case, backend, output)
@@ -87,7 +97,7 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
             if torchrun.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{stdout[-2000:]}"
                                    f"{stderr[-3000:]}")
-            return steady_rate(stdout, CASES[case][3])
+            return steady_rate(stdout, CASES[case][3]), decisions(stdout + stderr)
         with EmulatedCluster(nodes, rate=rate) as cluster:
             results = cluster.run(lambda node: cluster.torchrun(node, job, processes // nodes),
                                   timeout=timeout, env=env)
@@ -95,7 +105,8 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
         if any(code != 0 for code, _ in results):
             raise RuntimeError(f"{case} over {backend} on {nodes} nodes failed:\n"
                                + format_outputs(cluster.nodes, outputs)[-5000:])
-        return steady_rate(outputs[0], CASES[case][3])  # rank 0 runs on node 0
+        # Rank 0 runs on node 0.
+        return steady_rate(outputs[0], CASES[case][3]), decisions(outputs[0])
 
 
 def main():
@@ -124,10 +135,14 @@ def main():
         for rate in args.rates if args.nodes > 1 else ["none"]:
             for processes in args.nprocs:
                 rates = {"gloo": [], "torus": []}
+                choices = []  # per torus round
                 for _ in range(args.rounds):  # the backends take turns, so drift hits both
                     for backend in rates:
-                        rates[backend].append(run(case, processes, backend, args.timeout,
-                                                  args.nodes, None if rate == "none" else rate))
+                        images, decided = run(case, processes, backend, args.timeout,
+                                              args.nodes, None if rate == "none" else rate)
+                        rates[backend].append(images)
+                        if backend == "torus":
+                            choices.append(decided or "none decided")
                 medians = {backend: statistics.median(values)
                            for backend, values in rates.items()}
                 ratio = medians["torus"] / medians["gloo"]
@@ -135,10 +150,11 @@ def main():
                                    for backend, values in rates.items())
                 print(f"{case:>9} | {args.nodes:>5} | {rate:>6} | {processes:>9} | "
                       f"{medians['gloo']:10.0f} | {medians['torus']:11.0f} | {ratio:.3f}x   "
-                      f"{rounds}", flush=True)
+                      f"{rounds}; auto ran: " + " | ".join(choices), flush=True)
                 rows += [{"case": case, "nodes": args.nodes, "rate": rate,
                           "processes": processes, "backend": backend,
-                          "images_per_second": medians[backend], "torus_over_gloo": ratio}
+                          "images_per_second": medians[backend], "torus_over_gloo": ratio,
+                          "torus_choices": " | ".join(choices) if backend == "torus" else ""}
                          for backend in medians]
     if args.csv:
         write_csv(args.csv, rows, CSV_FIELDS)
