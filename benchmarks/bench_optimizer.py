@@ -14,13 +14,20 @@ With --one-element, every tensor has one element: the step's cost apart from its
 host's work in Python and C++ and the launches), which bounds a step on a GPU that moves the
 bytes faster than the host prepares the launch; bandwidth is not reported then.
 
+With --grad-scaler, every variant steps through its own torch.amp.GradScaler, as an AMP
+training loop does (scaler.scale, scaler.step, scaler.update; finite gradients): torch's fused
+SGD and ours take the scale and the inf flag in the step, torch's foreach SGD is unscaled by
+the scaler first.
+
 Run it from the repository root:
 
     python benchmarks/bench_optimizer.py                    # CPU, and CUDA when available
     python benchmarks/bench_optimizer.py --device cuda --dtype bfloat16 --csv results.csv
     python benchmarks/bench_optimizer.py --one-element --device cpu
+    python benchmarks/bench_optimizer.py --one-element --device cpu --grad-scaler
 """
 
+import functools
 import os
 import statistics
 
@@ -61,23 +68,38 @@ def copy_gb_per_s(device, min_run_time):
     return 2 * COPY_BYTES / ms / 1e6
 
 
-def bench_device(shapes, device, dtype, min_run_time, rounds, bandwidth=True):
+def step_under_grad_scaler(optimizer, scaler, one):
+    """One AMP training step's optimizer part, as a loop does it."""
+    scaler.scale(one)  # what scaler.scale(loss) does before backward: the scale's tensor
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def bench_device(shapes, device, dtype, min_run_time, rounds, bandwidth=True,
+                 grad_scaler=False):
     """One row per variant (median ms/step, speedup, bandwidth unless not `bandwidth`), and the
     copy GB/s (None without bandwidth). The variants take turns over `rounds` rounds, so a drift
     in the machine's speed (it is shared) hits them alike; a variant's time is the median of
-    its rounds' medians."""
+    its rounds' medians. `grad_scaler`: each step through a GradScaler of its own (the
+    gradients stay as they are: a scale of 1)."""
     grads = [torch.randn(shape) for shape in shapes]
-    optimizers = {}
+    steps = {}
     for name, make_optimizer in VARIANTS.items():
-        optimizers[name] = make_optimizer(make_params(shapes, grads, device, dtype))
-        optimizers[name].step()  # warm-up: creates the momentum buffers
-    per_round = {name: [] for name in optimizers}
+        optimizer = make_optimizer(make_params(shapes, grads, device, dtype))
+        if grad_scaler:
+            scaler = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=2**30)
+            step = functools.partial(step_under_grad_scaler, optimizer, scaler,
+                                     torch.ones((), device=device))
+        else:
+            step = optimizer.step
+        step()  # warm-up: creates the momentum buffers
+        steps[name] = ("step()", {"step": step})
+    per_round = {name: [] for name in steps}
     for _ in range(rounds):
-        for name, optimizer in optimizers.items():
-            per_round[name].append(median_ms("optimizer.step()", {"optimizer": optimizer},
-                                             min_run_time / rounds))
+        for name, (stmt, globals_) in steps.items():
+            per_round[name].append(median_ms(stmt, globals_, min_run_time / rounds))
     timings = {name: statistics.median(times) for name, times in per_round.items()}
-    del optimizers
+    del steps
 
     step_bytes = 5 * sum(shape.numel() for shape in shapes) * dtype.itemsize
     copy = copy_gb_per_s(device, min_run_time) if bandwidth else None
@@ -114,6 +136,8 @@ def main():
     args = argument_parser(__doc__, min_run_time=3.0, rounds=5, extra=[
         (("--one-element",), {"action": "store_true",
                               "help": "one element per tensor: the step's cost apart from bytes"}),
+        (("--grad-scaler",), {"action": "store_true",
+                              "help": "every step through a torch.amp.GradScaler"}),
     ]).parse_args()
     devices = pick_devices(args.device)
     with torch.device("meta"):  # the shapes only: no memory, no initialization
@@ -132,7 +156,8 @@ def main():
     for device in devices:
         device_rows, copies[device] = bench_device(shapes, device, DTYPES[args.dtype],
                                                    args.min_run_time, args.rounds,
-                                                   bandwidth=not args.one_element)
+                                                   bandwidth=not args.one_element,
+                                                   grad_scaler=args.grad_scaler)
         rows += device_rows
     if args.csv:
         write_csv(args.csv, rows, CSV_FIELDS)

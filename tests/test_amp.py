@@ -1,5 +1,7 @@
 """torch.amp.GradScaler drives the fused step: the kernel unscales and skips, on the device."""
 
+import copy
+
 import pytest
 import torch
 
@@ -148,3 +150,63 @@ def test_checkpoint_with_a_pending_first_step_loads_into_torch_sgd():
     loaded.step()
     torch.testing.assert_close(q.detach(), torch.full((3,), -1.0))
 
+
+
+def test_pending_first_steps_of_several_dtypes_after_a_copy():
+    """A copied optimizer (copy.deepcopy, pickle) whose buffers of two dtypes are both still
+    pending: the first step that runs initialises every buffer (b = g), as torch.optim.SGD's
+    first step, in the launch of each dtype. Each launch's flag is its own: had the launches
+    shared one, the first would clear it before the second read it, and the second would take
+    its zero buffers for started ones (b = (1 - dampening) g)."""
+    kwargs = dict(lr=1.0, momentum=0.9, dampening=0.5)
+    params = [torch.zeros(4, dtype=dtype, requires_grad=True)
+              for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    optimizer = bb.optim.SGD(params, **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    scale = scaler.scale(torch.ones(()))
+    for p in params:
+        p.grad = torch.tensor([1.0, float("inf"), 1.0, 1.0], dtype=p.dtype) * scale
+    scaler.step(optimizer)  # skipped: the buffers stay pending
+    scaler.update()
+    optimizer = copy.deepcopy(optimizer)
+    params = optimizer.param_groups[0]["params"]
+    grads = [torch.tensor([1.0, 2.0, -1.0, 0.5]) * (i + 1) for i in range(len(params))]
+    scale = scaler.scale(torch.ones(()))
+    for p, g in zip(params, grads):
+        p.grad = (g * scale).to(p.dtype)
+    scaler.step(optimizer)
+    for i, (p, g) in enumerate(zip(params, grads)):  # small integers and halves: exact
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"].float(), g, rtol=0,
+                                   atol=0, msg=f"buffer {i} ({p.dtype})")
+        torch.testing.assert_close(p.detach().float(), -g, rtol=0, atol=0,
+                                   msg=f"parameter {i} ({p.dtype})")
+
+
+def test_steps_under_grad_scaler_reuse_the_launches():
+    """Under GradScaler the buffers' flags of skipped first steps are updated in place, so the
+    step sorts the parameters once its buffers exist, not at every step (where the host time
+    of a step goes: bench_optimizer.py), and still steps as torch.optim.SGD."""
+    kwargs = dict(lr=0.5, momentum=0.9, dampening=0.25)
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    optimizer = bb.optim.SGD(params, **kwargs)
+    expected_optimizer = torch.optim.SGD(reference, foreach=False, **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    plans = []
+    for step in range(5):
+        grads = [torch.full(p.shape, float(step + 1 + i)) for i, p in enumerate(params)]
+        if step == 0:
+            grads[1][0, 0] = float("inf")  # skipped: the buffers stay pending
+        scale = scaler.scale(torch.ones(()))
+        for p, r, g in zip(params, reference, grads):
+            p.grad = g * scale
+            r.grad = g
+        scaler.step(optimizer)
+        scaler.update()
+        if step > 0:
+            expected_optimizer.step()
+        plans.append(optimizer._launch_plan)
+        for p, r in zip(params, reference):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    assert plans[0] is None and plans[1] is not None  # the first made buffers
+    assert all(plan is plans[1] for plan in plans[2:])

@@ -168,8 +168,9 @@ class _LaunchPlan:
             launch.direct = launch.direct and type(p) in _PLAIN_TYPES and type(grad) is torch.Tensor
             launch.group_of_tensor.append(group)
         self.launches = list(launches.values())
-        self.reusable = not any(launch.first_step or launch.pending is not None
-                                for launch in self.launches)
+        # A first step makes buffers: the next step reads another state. Flags of skipped
+        # first steps are updated in place (_track_pending), so a plan that holds them fits on.
+        self.reusable = not any(launch.first_step for launch in self.launches)
 
     def fits(self, groups, params, grads, buffers, pendings):
         """Whether a step that reads these would sort its parameters into the same launches."""
@@ -208,6 +209,9 @@ class _FusedSGD(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._launch_plan = None
+        # Not in torch's pickled state: a copy (copy.deepcopy, pickle) would otherwise leave
+        # GradScaler to unscale on its own, with a host sync per step.
+        self._step_supports_amp_scaling = True
         # Groups loaded from torch.optim.SGD (or an older version) lack our keys; one saved by
         # torch.optim.SGD(differentiable=True) steps here as the fused kernel steps, untracked.
         for group in self.param_groups:
@@ -215,13 +219,17 @@ class _FusedSGD(Optimizer):
                 group.setdefault(key, value)
             group["differentiable"] = False
         # Loading moved each pending flag to its parameter's dtype, one copy per parameter: keep
-        # the ones still set as one float32 flag per device (a sync here, not in step()).
+        # the ones still set as one float32 flag per device and dtype (a sync here, not in
+        # step()). Per dtype too: a launch updates its flag in place once it ran, and another
+        # launch reading the same flag after it would take its zero buffers for started ones.
         flags = {}
         for param_state in self.state.values():
             pending = param_state.pop(_PENDING, None)
             if pending is not None and pending.item() != 0:
+                buffer = param_state.get("momentum_buffer", pending)  # the parameter's dtype
                 param_state[_PENDING] = flags.setdefault(
-                    pending.device, torch.ones((), dtype=torch.float32, device=pending.device))
+                    (pending.device, buffer.dtype),
+                    torch.ones((), dtype=torch.float32, device=pending.device))
 
     def _trust_coefficient(self, group):
         """LARS's coefficient for a group; 0 leaves its update unadapted."""
@@ -355,7 +363,8 @@ class _FusedSGD(Optimizer):
                 del self.state[p][_PENDING]
             return
         if not launch.first_step:  # pending only if this step was skipped too
-            launch.pending = launch.pending * found_inf
+            launch.pending.mul_(found_inf)  # in place: the state and a kept plan hold it
+            return
         for p in launch.params:
             self.state[p][_PENDING] = launch.pending
 
