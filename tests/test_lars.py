@@ -99,3 +99,31 @@ def test_lars_refuses_a_trust_coefficient_of_zero():
         with pytest.raises(ValueError, match="Invalid"):
             bb.optim.LARS([torch.zeros(2, requires_grad=True)], lr=0.1, **options)
 
+
+
+def test_grad_scaler_steps_as_the_true_gradients():
+    """Under GradScaler the kernel unscales before the trust ratio's norms (a norm of scaled
+    gradients would shrink every update by the scale) and skips a step with an inf on the
+    device: the same parameters as LARS stepped on the true gradients, without that step."""
+    torch.manual_seed(0)
+    kwargs = dict(lr=0.5, momentum=0.9, weight_decay=1e-3)
+    params = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    optimizer = bb.optim.LARS(params, **kwargs)
+    expected_optimizer = bb.optim.LARS(reference, **kwargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        grads = [torch.randn(p.shape) for p in params]
+        if step == 0:
+            grads[0][0, 0] = float("inf")
+        scale = scaler.scale(torch.ones(()))
+        for p, g in zip(params, grads):
+            p.grad = g * scale  # a power of two: unscaled exactly
+        scaler.step(optimizer)
+        scaler.update()
+        if step > 0:
+            for r, g in zip(reference, grads):
+                r.grad = g
+            expected_optimizer.step()
+        for p, r in zip(params, reference):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
