@@ -140,6 +140,11 @@ def main():
                               "help": "every step through a torch.amp.GradScaler"}),
     ]).parse_args()
     devices = pick_devices(args.device)
+    if args.grad_scaler and args.dtype == "bfloat16" and "cuda" in devices:
+        # torch's foreach variant needs GradScaler's unscale, which has no CUDA bfloat16 kernel
+        raise SystemExit("--grad-scaler: GradScaler cannot unscale bfloat16 gradients on CUDA "
+                         "(bfloat16 needs no scaler); use --dtype float16 or float32, or "
+                         "--device cpu")
     with torch.device("meta"):  # the shapes only: no memory, no initialization
         shapes = [parameter.shape for parameter in torch_bigbatch.models.resnet50().parameters()]
     if args.one_element:
