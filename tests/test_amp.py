@@ -151,7 +151,6 @@ def test_checkpoint_with_a_pending_first_step_loads_into_torch_sgd():
     torch.testing.assert_close(q.detach(), torch.full((3,), -1.0))
 
 
-
 def test_pending_first_steps_of_several_dtypes_after_a_copy():
     """A copied optimizer (copy.deepcopy, pickle) whose buffers of two dtypes are both still
     pending: the first step that runs initialises every buffer (b = g), as torch.optim.SGD's

@@ -100,7 +100,6 @@ def test_lars_refuses_a_trust_coefficient_of_zero():
             bb.optim.LARS([torch.zeros(2, requires_grad=True)], lr=0.1, **options)
 
 
-
 def test_grad_scaler_steps_as_the_true_gradients():
     """Under GradScaler the kernel unscales before the trust ratio's norms (a norm of scaled
     gradients would shrink every update by the scale) and skips a step with an inf on the

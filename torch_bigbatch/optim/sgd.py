@@ -358,15 +358,14 @@ class _FusedSGD(Optimizer):
         """After a launch: its buffers stay pending while every step of theirs is skipped."""
         if launch.pending is None:
             return
-        if not launch.first_step and found_inf is None:  # this step ran: no longer pending
+        if launch.first_step:  # the new buffers' flag: set while this step may be skipped
+            for p in launch.params:
+                self.state[p][_PENDING] = launch.pending
+        elif found_inf is None:  # this step ran: no longer pending
             for p in launch.params:
                 del self.state[p][_PENDING]
-            return
-        if not launch.first_step:  # pending only if this step was skipped too
-            launch.pending.mul_(found_inf)  # in place: the state and a kept plan hold it
-            return
-        for p in launch.params:
-            self.state[p][_PENDING] = launch.pending
+        else:  # pending only if this step was skipped too; in place: a kept plan holds it
+            launch.pending.mul_(found_inf)
 
 
 class SGD(_FusedSGD):
