@@ -74,6 +74,22 @@ def test_local_batchnorm_and_zero_init():
     model.load_state_dict(bb.models.resnet50().state_dict())
 
 
+def test_zero_init_residual_with_group_norm():
+    """As torchvision's: each block's last norm layer is zeroed whatever its kind."""
+    model = bb.models.ResNet(bb.models.BasicBlock, (2, 1), widths=(8, 16), stem="cifar",
+                             norm_layer=lambda channels: nn.GroupNorm(4, channels),
+                             zero_init_residual=True)
+    zeroed = {name for name, m in model.named_modules()
+              if isinstance(m, nn.GroupNorm) and not m.weight.any()}
+    assert zeroed == {"layer1.0.bn2", "layer1.1.bn2", "layer2.0.bn2"}
+
+
+@pytest.mark.parametrize("stages", [(0,), (2, -1), (1.5,)])
+def test_stages_of_fewer_than_one_block_are_refused(stages):
+    with pytest.raises(ValueError, match="stages must be ints >= 1"):
+        bb.models.ResNet(bb.models.BasicBlock, stages, widths=(8,) * len(stages))
+
+
 def test_small_resnet_trains_on_fashion_mnist_shapes():
     torch.manual_seed(0)
     model = bb.models.resnet_small(bn_group_size=8)

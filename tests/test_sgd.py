@@ -303,6 +303,12 @@ def test_param_groups_leave_out_frozen_parameters_and_empty_groups():
     assert bb.optim.param_groups(model, 1e-4) == []
 
 
+def test_param_groups_refuse_the_parameters_instead_of_the_model():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="takes the model .an nn.Module., got generator"):
+        bb.optim.param_groups(model.parameters(), 1e-4)
+
+
 @CUDA
 @needs_cuda
 @pytest.mark.parametrize("optimizer_class", [bb.optim.SGD, bb.optim.LARS])

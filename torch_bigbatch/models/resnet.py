@@ -7,6 +7,7 @@ from functools import partial
 
 from torch import nn
 
+from .._checks import is_int
 from ..nn import LocalBatchNorm2d, zero_init_last_bn
 
 
@@ -72,6 +73,8 @@ class ResNet(nn.Module):
         super().__init__()
         if stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
+        if not all(is_int(blocks) and blocks >= 1 for blocks in stages):
+            raise ValueError(f"stages must be ints >= 1 (blocks per stage), got {tuple(stages)}")
         if len(stages) != len(widths):
             raise ValueError(f"one width per stage: got {len(stages)} stages, {len(widths)} widths")
         channels = widths[0]
@@ -133,8 +136,9 @@ def resnet18(num_classes=1000, in_channels=3, bn_group_size=0, zero_init_residua
 
 def resnet_small(num_classes=10, in_channels=1, bn_group_size=0, zero_init_residual=False,
                  widths=(16, 32, 64), blocks=1):
-    """A CIFAR-style ResNet (He et al. 2016, section 4.2: 6 * blocks + 2 layers; blocks=3 is
-    ResNet-20) for 28x28 or 32x32 input: quick enough to train on a CPU."""
+    """A CIFAR-style ResNet (He et al. 2016, section 4.2: 6 * blocks + 2 layers; blocks=3 has
+    ResNet-20's layers, with 1x1 projections where the shape changes, where He et al. pad
+    identity shortcuts with zeros) for 28x28 or 32x32 input: quick enough to train on a CPU."""
     return ResNet(BasicBlock, (blocks,) * len(widths), widths=widths, num_classes=num_classes,
                   in_channels=in_channels, stem="cifar", norm_layer=norm_layer_for(bn_group_size),
                   zero_init_residual=zero_init_residual)

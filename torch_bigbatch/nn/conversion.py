@@ -6,6 +6,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .local_batchnorm import (LocalBatchNorm, LocalBatchNorm1d, LocalBatchNorm2d, LocalBatchNorm3d,
                               _checked_group_size)
+from .norm_layers import NORM_LAYERS
 
 _LOCAL_OF = ((nn.BatchNorm1d, LocalBatchNorm1d), (nn.BatchNorm2d, LocalBatchNorm2d),
              (nn.BatchNorm3d, LocalBatchNorm3d), (nn.SyncBatchNorm, LocalBatchNorm))
@@ -69,8 +70,10 @@ def zero_init_last_bn(model):
     as the identity (Goyal et al. 2017, section 5.1), and returns the names of those layers.
 
     A residual block is a module with a `downsample` attribute, as torchvision's BasicBlock and
-    Bottleneck and torch_bigbatch.models' blocks have; its last BatchNorm is the last one among
-    its direct children, outside `downsample`. Raises ValueError if the model has no such block.
+    Bottleneck and torch_bigbatch.models' blocks have; its last BatchNorm is the last
+    normalization layer (GroupNorm and the others of torch.nn too, as torchvision zeroes its
+    blocks' last norm layer whatever it is) among its direct children, outside `downsample`.
+    Raises ValueError if the model has no such block.
     """
     zeroed, blocks = [], 0
     for name, block in model.named_modules():
@@ -78,8 +81,8 @@ def zero_init_last_bn(model):
             continue
         blocks += 1
         norms = [(child_name, child) for child_name, child in block.named_children()
-                 if child_name != "downsample" and isinstance(child, _BatchNorm)]
-        if norms and norms[-1][1].weight is not None:
+                 if child_name != "downsample" and isinstance(child, NORM_LAYERS)]
+        if norms and getattr(norms[-1][1], "weight", None) is not None:
             child_name, last = norms[-1]
             nn.init.zeros_(last.weight)
             zeroed.append(f"{name}.{child_name}" if name else child_name)

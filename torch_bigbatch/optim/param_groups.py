@@ -6,19 +6,16 @@ fc.bias, which Goyal et al. decay)."""
 
 from torch import nn
 
-_NORM_LAYERS = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
-    nn.GroupNorm,
-    nn.LayerNorm,
-    nn.LocalResponseNorm,
-    nn.RMSNorm,
-)
+from ..nn.norm_layers import NORM_LAYERS
 
 
 def param_groups(model, weight_decay):
     """Two groups for an optimizer: the weights with `weight_decay`, and the biases plus every
     parameter of a normalization layer with weight_decay 0 and lars_exclude=True. Frozen
     parameters are left out; empty groups are dropped."""
+    if not isinstance(model, nn.Module):  # model.parameters() is what torch.optim.SGD takes
+        raise TypeError(f"param_groups takes the model (an nn.Module), got "
+                        f"{type(model).__name__}")
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -27,7 +24,7 @@ def param_groups(model, weight_decay):
             seen.add(id(param))
             # "bias" as a word of the name: also nn.MultiheadAttention's in_proj_bias and
             # bias_k, and the RNNs' bias_ih_l0.
-            if isinstance(module, _NORM_LAYERS) or "bias" in name.split("_"):
+            if isinstance(module, NORM_LAYERS) or "bias" in name.split("_"):
                 no_decay.append(param)
             else:
                 decay.append(param)
