@@ -196,7 +196,7 @@ class RunSpan:
         """Counts an epoch this run trained (not one it only evaluated); True when the run stops
         after it (also when the step limit fell on its last step)."""
         self.epochs_run += trained
-        return (self.epochs_run == self.stop_after_epochs
+        return (0 < self.stop_after_epochs == self.epochs_run
                 or 0 < self.stop_after_steps == self.steps_run)
 
 

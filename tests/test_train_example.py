@@ -204,10 +204,13 @@ job.main(job.get_args_parser().parse_args({args!r}))
 """
 
 
-def test_an_epoch_whose_evaluation_failed_resumes_with_the_evaluation(tmp_path):
+@pytest.mark.parametrize("limit", [["--stop-after-epochs", "1"], []])
+def test_an_epoch_whose_evaluation_failed_resumes_with_the_evaluation(tmp_path, limit):
     """The epoch-end checkpoint came after the evaluation: a failure in it (an unreadable
     val/ image) lost the epoch's training, which a resume ran again. Now the epoch is saved
-    before its evaluation, a resume evaluates it, and the run ends as a straight one does."""
+    before its evaluation, a resume evaluates it, and the run ends as a straight one does
+    (with no --stop-after-epochs it stopped after that evaluation: 0 epochs trained matched
+    the limit 0, "none")."""
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     job = [*TINY, "--epochs", "2", "--use-deterministic-algorithms"]
     assert run_single([*job, "--output", straight]).returncode == 0
@@ -220,7 +223,7 @@ def test_an_epoch_whose_evaluation_failed_resumes_with_the_evaluation(tmp_path):
     assert (state["epoch"], state["step"]) == (0, 8) and state["trained"] is not None
     # --stop-after-epochs counts the epochs this run trains: the one it only evaluates is not
     # one of them (counted, it stopped the run after that evaluation, with no training).
-    resumed = run_single([*job, "--output", split, "--resume", "--stop-after-epochs", "1"])
+    resumed = run_single([*job, "--output", split, "--resume", *limit])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed at epoch 1 step 8 (trained, not yet evaluated)" in resumed.stdout
     assert "train loss" in resumed.stdout and "finished after epoch 2" in resumed.stdout
