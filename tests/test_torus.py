@@ -739,6 +739,50 @@ def test_a_job_whose_calls_all_ended_exits_cleanly(tmp_path):
             assert process.returncode == 0, f"attempt {attempt}, rank {rank}: {output[-2000:]}"
 
 
+JOIN_A_KEPT_STORE = """
+import datetime, sys, torch, torch.distributed as dist
+import torch_bigbatch
+from torch_bigbatch.distributed import TorusOptions
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False,
+                      timeout=datetime.timedelta(seconds=10))
+dist.init_process_group("torus", store=store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=10),
+                        pg_options=TorusOptions(algorithm="torus"))
+values = torch.full((1 << 16,), float(rank + 1))
+dist.all_reduce(values)
+assert values.eq(3.0).all().item()
+dist.destroy_process_group()
+"""
+
+
+def test_restarts_that_keep_the_store_and_restart_count_join_anew(tmp_path):
+    """torchrun's rendezvous keeps its store across a job's attempts; a restart for a
+    membership change keeps TORCHELASTIC_RESTART_COUNT, and a replaced node's agent counts
+    from 0 where the others count on. With keys per restart count, ranks of different counts
+    waited on different keys until the timeout, and an attempt of the same count could read the
+    one before's addresses (dead ports, now and then). Three attempts on one kept store: each
+    joins and sums."""
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_A_KEPT_STORE)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    for counts in (("0", "0"), ("0", "0"), ("1", "0")):
+        ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=process_environment(TORCHELASTIC_RESTART_COUNT=count))
+                 for rank, count in enumerate(counts)]
+        try:
+            outputs = [process.communicate(timeout=60)[0] for process in ranks]
+        finally:
+            for process in ranks:
+                process.kill()
+        for rank, (process, output) in enumerate(zip(ranks, outputs)):
+            assert process.returncode == 0, f"counts {counts}, rank {rank}: {output[-2000:]}"
+    del store
+
+
 def rank_killed_with_calls_queued(rank, world_size, port):
     """Every rank queues four 32 MiB allreduces in 1 MiB segments; rank 1 is killed once its
     first has ended. Returns when each of a survivor's calls ended, from the first's issue."""

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -422,6 +423,43 @@ def _compare(store, rank, size, key, spec):
     return verdict
 
 
+def _attempt_store(store, rank, size, timeout):
+    """`store` under a prefix that no earlier attempt of the job wrote, the same on every rank.
+
+    torchrun's rendezvous keeps its store across a job's restarts, and a failed attempt's keys
+    would send Gloo to dead ports (pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT does not
+    name an attempt: a restart for a membership change (a node replaced) keeps it, and a new
+    node's agent counts from 0 where the others count on. So rank 0 draws the attempt's name
+    and hands it to each rank under a key named by that rank's own fresh nonce: what an earlier
+    attempt left there is under nonces no live rank asked for. Rank 0 welcomes each nonce it
+    reads until the rank acknowledges under the new name (a nonce read first may be stale)."""
+    if size == 1:
+        return dist.PrefixStore(f"torus/{os.urandom(16).hex()}/", store)
+    if rank != 0:
+        nonce = os.urandom(16).hex()
+        store.set(f"torus/hello/{rank}", nonce)
+        name = store.get(f"torus/welcome/{nonce}").decode()
+        store.set(f"torus/{name}/joined/{rank}", "")
+        return dist.PrefixStore(f"torus/{name}/", store)
+    name, welcomed, waiting = os.urandom(16).hex(), set(), set(range(1, size))
+    deadline, pause = time.monotonic() + timeout.total_seconds(), 0.001
+    while waiting:
+        for other in sorted(waiting):
+            if store.check([f"torus/hello/{other}"]):
+                nonce = store.get(f"torus/hello/{other}").decode()
+                if nonce not in welcomed:
+                    store.set(f"torus/welcome/{nonce}", name)
+                    welcomed.add(nonce)
+            if store.check([f"torus/{name}/joined/{other}"]):
+                waiting.discard(other)
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"torus group: ranks {sorted(waiting)} of {size} did not join "
+                               f"within the timeout ({timeout.total_seconds():g} s)")
+        time.sleep(pause if waiting else 0)
+        pause = min(2 * pause, 0.05)
+    return dist.PrefixStore(f"torus/{name}/", store)
+
+
 def _agree_on_shape(store, rank, size, resolve):
     """The shape from `resolve()`, checked against every rank's. Ranks that disagree on the
     shape (say, TORCH_BIGBATCH_TORUS or LOCAL_WORLD_SIZE set differently) all fail at once with
@@ -483,10 +521,7 @@ def create_torus_backend(backend_options, pg_options=None):
     store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
     world = dist.get_world_size() if dist.is_initialized() else size
-    # A restarted job (torchrun --max-restarts) may see the store of the failed attempt: its
-    # keys would send Gloo to dead ports, so every attempt has keys of its own.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"torus/attempt{attempt}/", store)
+    store = _attempt_store(store, rank, size, timeout)
     columns, rows = _agree_on_shape(store, rank, size, lambda: resolve_shape(
         size, options.shape if options else None, world))
     pinned = []
