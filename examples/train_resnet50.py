@@ -312,6 +312,24 @@ def check_output(output):
         raise ValueError(f"--output {output}: {existing} is not writable")
 
 
+def job_id():
+    """torchrun's run id (--rdzv-id, or --standalone's own) where it names a job; else None."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id not in (None, "", "none") else None
+
+
+def written_by_this_job(path):
+    """Whether the checkpoint at `path` was written under this torchrun job's run id (read
+    without loading its tensors; an unreadable file is not)."""
+    if job_id() is None or not os.path.exists(path):
+        return False
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # damaged: a new run moves it aside, a restart's read names the damage
+        return False
+    return isinstance(state, dict) and state.get("job") == job_id()
+
+
 def read_checkpoint(path, settings, iterations):
     """The checkpoint at `path` if this run can continue it, else a ValueError that names the
     file, the difference and what to do."""
@@ -461,8 +479,14 @@ class Setup:
         """The checkpoint this run continues (with --resume, or restarted by torchrun), checked
         against this run's settings; None for a new run. A new run moves an earlier run's
         checkpoint aside (rank 0): torchrun's restarts of this run resume what they find, and
-        found that one (a finished run: the job ended without training)."""
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        found that one (a finished run: the job ended without training).
+
+        A restart is a TORCHELASTIC_RESTART_COUNT above 0, or a checkpoint written under this
+        job's TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; not its default "none"): a restart for
+        a membership change (a node replaced) keeps the count at 0, and a run that started
+        over threw away the job's progress."""
+        restarted = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+                     or written_by_this_job(self.checkpoint))
         directory = os.path.dirname(self.checkpoint)
         if args.resume and not os.path.exists(self.checkpoint):
             moved = moved_checkpoints(directory)
@@ -770,7 +794,7 @@ def main(args):
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
                 "epoch_loss": total, "metrics": rows, "settings": setup.settings,
-                "trained": trained,
+                "trained": trained, "job": job_id(),
                 "args": vars(args), "recipe": dataclasses.asdict(recipe)})
 
     if setup.rank == 0:

@@ -144,6 +144,24 @@ def test_a_restarted_worker_resumes_by_itself(tmp_path):
 
 
 
+def test_a_restart_for_a_membership_change_resumes_its_jobs_checkpoint(tmp_path):
+    """torchrun restarts a node's workers when another node joins without counting a restart:
+    TORCHELASTIC_RESTART_COUNT stays 0, and the job moved its own checkpoint aside and trained
+    from step 0. A checkpoint of the same TORCHELASTIC_RUN_ID is now resumed; another job's
+    (or one under torchrun's default run id "none") is moved aside as before."""
+    output = tmp_path / "run"
+    args = [*TINY, "--epochs", "2", "--output", str(output)]
+    first = run_single([*args, "--stop-after-steps", "3"], TORCHELASTIC_RUN_ID="job-1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_single(args, TORCHELASTIC_RUN_ID="job-1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed at epoch 1 step 3" in again.stdout and "moved to" not in again.stdout
+    for other in ("job-2", "none"):
+        new = run_single([*args, "--stop-after-steps", "1"], TORCHELASTIC_RUN_ID=other)
+        assert new.returncode == 0, new.stderr[-3000:]
+        assert "moved to" in new.stdout and "resumed" not in new.stdout
+
+
 def test_a_new_run_moves_an_earlier_runs_checkpoint_aside(tmp_path):
     """A run without --resume in an --output that holds a finished run's checkpoint moves it to
     checkpoint.previous.pt: a torchrun restart of the new run, before its first checkpoint,
