@@ -286,6 +286,8 @@ def score_with_training_classes(test, train, data):
 
 
 def check_data(dataset, args):
+    if args.data and dataset != "imagenet":  # the run would train on other data than asked
+        raise ValueError(f"--data is ImageNet's root: --dataset {dataset} does not read it")
     if dataset == "imagenet":
         if not args.data:
             raise ValueError("--dataset imagenet needs --data PATH (train/ and val/ inside)")

@@ -88,6 +88,7 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
         (["--recipe", "nope"], "invalid choice: 'nope'"),
         (["--dataset", "imagenet"], "needs --data PATH"),
         (["--data", str(tmp_path)], "no train/ directory"),
+        ([*TINY, "--data", str(tmp_path)], "--dataset synthetic does not read it"),
         (["--dataset", "fashion-mnist", "--fashion-mnist-root", str(tmp_path)],
          "install the Debian package dataset-fashion-mnist"),
         ([*TINY, "--resume", "--output", str(tmp_path / "none")], "--resume: no checkpoint"),
