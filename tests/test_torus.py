@@ -1725,6 +1725,36 @@ def test_options_are_checked():
     assert TorusOptions().cuda_engine == "nccl"
 
 
+def options_set_after_construction(rank, world_size, port):
+    init(rank, world_size, port)
+    refusals = []
+    for name, value in (("algorithm", "ring"), ("segment_bytes", 0), ("torus_max_bytes", -5)):
+        options = TorusOptions()
+        setattr(options, name, value)
+        try:
+            dist.new_group(backend="torus", pg_options=options)
+        except ValueError as error:
+            refusals.append(str(error))
+    options = TorusOptions()
+    options.table = [{"device": "cpu", "min_bytes": 2049, "max_bytes": 4096,
+                      "algorithm": "flat"}]
+    group = dist.new_group(backend="torus", pg_options=options)
+    numbers = torch.ones(1000)
+    dist.all_reduce(numbers, group=group)
+    return refusals, torus_algorithm_table(group)[0]["source"]
+
+
+def test_options_set_after_construction_are_checked():
+    """Fields set after TorusOptions() (as torch's own Options are set) were used unchecked:
+    algorithm "ring" ran "auto", and a table set so was never parsed (its classes measured)."""
+    for refusals, source in run_ranks(options_set_after_construction, 2):
+        assert len(refusals) == 3, refusals
+        assert "algorithm must be one of" in refusals[0]
+        assert "segment_bytes must be a positive int64" in refusals[1]
+        assert "torus_max_bytes must be an int64 >= 0" in refusals[2]
+        assert source == "pinned"
+
+
 def cuda_world_of_one(rank, world_size, port):
     init(rank, world_size, port)
     on_gpu = torch.arange(10.0, device="cuda")

@@ -511,13 +511,13 @@ def create_torus_backend(backend_options, pg_options=None):
             f"pg_options of the torus backend must be a TorusOptions, got "
             f"{type(pg_options).__name__}")
     # The default options read the environment, which may be bad on one rank only: that rank's
-    # refusal is raised after the comparisons, so the others learn of it at once.
-    options, refused = pg_options, None
-    if options is None:
-        try:
-            options = TorusOptions()
-        except ValueError as error:
-            options, refused = None, error
+    # refusal is raised after the comparisons, so the others learn of it at once. Given ones
+    # are checked again (a copy runs __post_init__): fields set after construction, as torch's
+    # own Options are set, were used unchecked, and a table set so was never parsed.
+    try:
+        options, refused = dataclasses.replace(pg_options or TorusOptions()), None
+    except ValueError as error:
+        options, refused = None, error
     store, rank, size = backend_options.store, backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
     world = dist.get_world_size() if dist.is_initialized() else size
