@@ -143,6 +143,23 @@ def test_cumulative_moving_average(device):
     check_against_reference(device, (12, 5, 4, 4), 4, torch.float32, False, momentum=None, steps=3)
 
 
+@pytest.mark.parametrize("momentum", [None, 0.1])
+def test_checkpointed_steps_move_the_running_statistics_as_plain_ones(momentum):
+    """torch.utils.checkpoint (use_reentrant=False) stops its recomputation inside the op: the
+    batch was counted again there, the statistics not moved again: momentum=None's average
+    divided by twice the batches seen, and a float momentum counted 8 batches for 4 moves."""
+    torch.manual_seed(0)
+    plain = bb.nn.LocalBatchNorm2d(3, group_size=None, momentum=momentum)
+    checkpointed = copy.deepcopy(plain)
+    for step in range(4):
+        x = (torch.randn(8, 3, 4, 4) + step).requires_grad_()
+        plain(x).sum().backward()
+        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=False).sum().backward()
+    assert checkpointed.num_batches_tracked.item() == plain.num_batches_tracked.item() == 4
+    torch.testing.assert_close(checkpointed.running_mean, plain.running_mean)
+    torch.testing.assert_close(checkpointed.running_var, plain.running_var)
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("shape,group_size", [((6, 3, 2, 3), 4), ((7, 2, 3, 1), 3)], ids=str)
 def test_gradcheck(shape, group_size, channels_last):

@@ -155,18 +155,26 @@ class LocalBatchNorm(_BatchNorm):
         if input.shape[1] != self.num_features:
             raise ValueError(f"{type(self).__name__}({self.num_features}) got an input with "
                              f"{input.shape[1]} channels (size {tuple(input.shape)})")
-        # nn.BatchNorm's choices of statistics and momentum, unchanged.
+        # nn.BatchNorm's choices of statistics and momentum, unchanged; but the batch is
+        # counted after the statistics moved (nn.BatchNorm counts it first): a recomputation
+        # that torch.utils.checkpoint stops inside the op (use_reentrant=False) then does
+        # neither, where it counted the batch again without moving them (momentum=None's
+        # average came out wrong).
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else factor
+        counted = (self.training and self.track_running_stats
+                   and self.num_batches_tracked is not None)
+        if counted and self.momentum is None:
+            factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         use_batch_statistics = self.training or (self.running_mean is None
                                                  and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
-        return local_batch_norm(input, self.running_mean if keep_running else None,
-                                self.running_var if keep_running else None, self.weight,
-                                self.bias, use_batch_statistics, factor, self.eps,
-                                self.group_size)
+        output = local_batch_norm(input, self.running_mean if keep_running else None,
+                                  self.running_var if keep_running else None, self.weight,
+                                  self.bias, use_batch_statistics, factor, self.eps,
+                                  self.group_size)
+        if counted:
+            self.num_batches_tracked.add_(1)
+        return output
 
 
 class LocalBatchNorm1d(LocalBatchNorm):
