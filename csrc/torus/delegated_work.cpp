@@ -2,6 +2,7 @@
 
 #include "torus/topology.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace torch_bigbatch::torus {
@@ -15,19 +16,40 @@ std::exception_ptr named(const std::string& context, const std::exception_ptr& e
 
 }  // namespace
 
-DelegatedWork::DelegatedWork(c10::intrusive_ptr<c10d::Work> engine_work, std::string context)
+DelegatedWork::DelegatedWork(c10::intrusive_ptr<c10d::Work> engine_work, std::string context,
+                             std::shared_ptr<c10::Event> copied_back)
     : c10d::Work(-1, engine_work->retrieveOpType()),
       work_(std::move(engine_work)),
-      context_(std::move(context)) {}
+      context_(std::move(context)),
+      copied_back_(std::move(copied_back)) {}
+
+void DelegatedWork::follow_the_copy_back() const {
+  if (!copied_back_) return;
+  const c10::Device device(copied_back_->device_type(), copied_back_->device_index());
+  copied_back_->block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
+void DelegatedWork::synchronize() {
+  work_->synchronize();
+  follow_the_copy_back();
+}
+
+void DelegatedWork::blockCurrentStream() {
+  work_->blockCurrentStream();
+  follow_the_copy_back();
+}
 
 std::exception_ptr DelegatedWork::exception() const { return named(context_, work_->exception()); }
 
 bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
+  bool ended = false;
   try {
-    return work_->wait(timeout);
+    ended = work_->wait(timeout);
   } catch (...) {
     std::rethrow_exception(named(context_, std::current_exception()));
   }
+  follow_the_copy_back();
+  return ended;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> DelegatedWork::getFuture() {

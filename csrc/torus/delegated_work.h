@@ -6,8 +6,10 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -15,23 +17,30 @@ namespace torch_bigbatch::torus {
 
 class DelegatedWork : public c10d::Work {
  public:
-  // context: what a failure message starts with, up to the engine's message.
-  DelegatedWork(c10::intrusive_ptr<c10d::Work> engine_work, std::string context);
+  // context: what a failure message starts with, up to the engine's message. copied_back: where
+  // the result goes back into the caller's tensors on the issuing stream after the engine's
+  // collective (a layout NCCL refuses), the copy's end: a wait on another stream, which the
+  // engine's Work orders after the collective only, waits for it too.
+  DelegatedWork(c10::intrusive_ptr<c10d::Work> engine_work, std::string context,
+                std::shared_ptr<c10::Event> copied_back = nullptr);
 
   bool isCompleted() override { return work_->isCompleted(); }
   bool isSuccess() const override { return work_->isSuccess(); }
   std::exception_ptr exception() const override;
   int sourceRank() const override { return work_->sourceRank(); }
   std::vector<at::Tensor> result() override { return work_->result(); }
-  void synchronize() override { work_->synchronize(); }
+  void synchronize() override;
   bool wait(std::chrono::milliseconds timeout) override;
-  void blockCurrentStream() override { work_->blockCurrentStream(); }
+  void blockCurrentStream() override;
   void abort() override { work_->abort(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  void follow_the_copy_back() const;  // the current stream of its device waits for it
+
   const c10::intrusive_ptr<c10d::Work> work_;
   const std::string context_;
+  const std::shared_ptr<c10::Event> copied_back_;
   std::mutex future_mutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on first request: not every engine
                                                     // Work has a future

@@ -319,7 +319,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
 // the device's events, and its errors and timeouts reach it. NCCL has AVG, so the one division
 // is its own; Gloo's CUDA AVG sums, then divides, so there float16 is divided first here, as
 // NCCL divides it (divide_first_if_half). A layout NCCL refuses (a strided view) is reduced as
-// a dense copy, copied back on the calling stream after it has waited for the collective.
+// a dense copy, copied back on the calling stream after it has waited for the collective; the
+// Work's wait then also waits for that copy (on another stream it would read the old values).
 c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
     const Engines& engines, std::vector<at::Tensor> tensors, const c10d::ReduceOp& op,
     c10d::OpType op_type) {
@@ -336,12 +337,17 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_device(
   }
   c10::intrusive_ptr<c10d::Work> work =
       engine_allreduce(*engines.whole, reduced, engine, op_type);
+  std::shared_ptr<c10::Event> copied_back;
   if (copied) {
     engines.follow(*work);
     for (size_t i = 0; i < reduced.size(); ++i)
       if (!reduced[i].is_same(tensors[i])) tensors[i].copy_(reduced[i]);
+    const c10::Device device = tensors.front().device();
+    copied_back = std::make_shared<c10::Event>(device.type());
+    copied_back->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
-  return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure("allreduce"));
+  return c10::make_intrusive<DelegatedWork>(std::move(work), whole_group_failure("allreduce"),
+                                            std::move(copied_back));
 }
 
 void TorusBackend::follow_torus_calls(const c10::Device& device,
