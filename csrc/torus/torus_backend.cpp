@@ -108,7 +108,7 @@ const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* col
   if (device == c10::DeviceType::CPU && cpu_) return *cpu_;
   if (device == c10::DeviceType::CUDA && cuda_) return *cuda_;
 #ifdef TORCH_BIGBATCH_WITH_CUDA
-  const char* no_cuda = "; NCCL is not available here)";
+  const char* no_cuda = "; there is no CUDA device or no NCCL here)";
 #else
   const char* no_cuda = "; this build of torch_bigbatch has no CUDA half: reinstall it where "
                         "nvcc is found, without TORCH_BIGBATCH_CPU_ONLY=1)";

@@ -98,8 +98,11 @@ class TorusBackend : public c10d::Backend {
   void abort() override;
   void shutdown() override;
 
- private:
+  // The engines of `device`'s tensors, or an error that names `collective` and why there are
+  // none (also for a query about a device the group cannot run).
   const Engines& engines_for(c10::DeviceType device, const char* collective) const;
+
+ private:
   // "torus broadcast failed in the broadcast of the whole group (rank 1 at ...): "
   std::string whole_group_failure(const char* collective) const;
   // On a device, before a collective of the whole group's engine is issued (whose stream waits

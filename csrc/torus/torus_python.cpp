@@ -155,6 +155,7 @@ void bind_torus(py::module& m) {
           [](const TorusBackend& self, const std::string& device, int64_t bytes) {
             py::dict row;
             const c10::DeviceType type = c10::Device(device).type();
+            self.engines_for(type, "algorithm query");  // none: says why, as a collective would
             describe_choice(without_gil([&] { return self.tuner().chosen(type, bytes); }), row);
             return row;
           },

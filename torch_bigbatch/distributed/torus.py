@@ -592,12 +592,9 @@ def torus_algorithm(nbytes, group=None, device="cpu") -> str:
     device = torch.device(device).type
     if device not in ("cpu", "cuda"):
         raise ValueError(f"the torus runs cpu and cuda tensors, got device {device!r}")
-    if device == "cuda" and not (_C.WITH_CUDA and torch.cuda.is_available()):  # as the creator
-        raise ValueError("this torus group has no engine for cuda tensors: no CUDA device here, "
-                         "or a build without its CUDA half")
+    chosen = backend.chosen_algorithm(device, nbytes)  # (raises where no engine runs `device`)
     if dist.get_world_size(group) == 1:
         return "flat"
-    chosen = backend.chosen_algorithm(device, nbytes)
     return chosen["algorithm"] or "measuring"
 
 
