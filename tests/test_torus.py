@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import torch_bigbatch  # noqa: F401  (registers backend "torus")
-from torch_bigbatch.distributed.torus import _compare
+from torch_bigbatch.distributed.torus import _attempt_store, _compare
 from torch_bigbatch.distributed import (TorusOptions, resolve_shape, torus_algorithm,
                                         torus_algorithm_table, torus_allreduce_counts,
                                         torus_shape)
@@ -781,6 +781,15 @@ def test_restarts_that_keep_the_store_and_restart_count_join_anew(tmp_path):
         for rank, (process, output) in enumerate(zip(ranks, outputs)):
             assert process.returncode == 0, f"counts {counts}, rank {rank}: {output[-2000:]}"
     del store
+
+
+def test_a_rank_that_never_joins_fails_rank_0_within_the_timeout():
+    store = dist.HashStore()
+    store.set("torus/hello/1", "a stale nonce")  # what an earlier attempt left
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 did not join within the timeout"):
+        _attempt_store(store, 0, 2, datetime.timedelta(seconds=0.5))
+    assert time.monotonic() - started < 5
 
 
 def rank_killed_with_calls_queued(rank, world_size, port):

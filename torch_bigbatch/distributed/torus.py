@@ -433,15 +433,21 @@ def _attempt_store(store, rank, size, timeout):
     and hands it to each rank under a key named by that rank's own fresh nonce: what an earlier
     attempt left there is under nonces no live rank asked for. Rank 0 welcomes each nonce it
     reads until the rank acknowledges under the new name (a nonce read first may be stale)."""
-    if size == 1:
-        return dist.PrefixStore(f"torus/{os.urandom(16).hex()}/", store)
-    if rank != 0:
+    name = os.urandom(16).hex()
+    if rank == 0:
+        _welcome_ranks(store, name, size, timeout)
+    else:
         nonce = os.urandom(16).hex()
         store.set(f"torus/hello/{rank}", nonce)
         name = store.get(f"torus/welcome/{nonce}").decode()
         store.set(f"torus/{name}/joined/{rank}", "")
-        return dist.PrefixStore(f"torus/{name}/", store)
-    name, welcomed, waiting = os.urandom(16).hex(), set(), set(range(1, size))
+    return dist.PrefixStore(f"torus/{name}/", store)
+
+
+def _welcome_ranks(store, name, size, timeout):
+    """Rank 0's side of _attempt_store: hands `name` to every nonce ranks 1.. size-1 post until
+    each has joined under it."""
+    welcomed, waiting = set(), set(range(1, size))
     deadline, pause = time.monotonic() + timeout.total_seconds(), 0.001
     while waiting:
         for other in sorted(waiting):
@@ -452,12 +458,13 @@ def _attempt_store(store, rank, size, timeout):
                     welcomed.add(nonce)
             if store.check([f"torus/{name}/joined/{other}"]):
                 waiting.discard(other)
-        if waiting and time.monotonic() > deadline:
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
             raise RuntimeError(f"torus group: ranks {sorted(waiting)} of {size} did not join "
                                f"within the timeout ({timeout.total_seconds():g} s)")
-        time.sleep(pause if waiting else 0)
+        time.sleep(pause)
         pause = min(2 * pause, 0.05)
-    return dist.PrefixStore(f"torus/{name}/", store)
 
 
 def _agree_on_shape(store, rank, size, resolve):
