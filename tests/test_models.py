@@ -3,6 +3,7 @@ key list written from its architecture; torchvision itself too when it is instal
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -88,6 +89,8 @@ def test_zero_init_residual_with_group_norm():
 def test_stages_of_fewer_than_one_block_are_refused(stages):
     with pytest.raises(ValueError, match="stages must be ints >= 1"):
         bb.models.ResNet(bb.models.BasicBlock, stages, widths=(8,) * len(stages))
+    # numpy's integers count, as range() takes them
+    assert len(bb.models.ResNet(bb.models.BasicBlock, np.array([2]), widths=(8,)).layer1) == 2
 
 
 def test_small_resnet_trains_on_fashion_mnist_shapes():

@@ -7,7 +7,7 @@ from functools import partial
 
 from torch import nn
 
-from .._checks import is_int
+from .._checks import as_index
 from ..nn import LocalBatchNorm2d, zero_init_last_bn
 
 
@@ -73,7 +73,7 @@ class ResNet(nn.Module):
         super().__init__()
         if stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
-        if not all(is_int(blocks) and blocks >= 1 for blocks in stages):
+        if not all((as_index(blocks) or 0) >= 1 for blocks in stages):  # numpy's ints too
             raise ValueError(f"stages must be ints >= 1 (blocks per stage), got {tuple(stages)}")
         if len(stages) != len(widths):
             raise ValueError(f"one width per stage: got {len(stages)} stages, {len(widths)} widths")

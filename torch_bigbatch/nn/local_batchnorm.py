@@ -14,22 +14,19 @@ through its autograd registration (torch_bigbatch/ops.py). Under torch.compile a
 groups is normalized by torch ops instead, which the compiler fuses with the layers around it.
 """
 
-import operator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from .._checks import as_index
 
 
 def _checked_group_size(group_size):
     """group_size as an int (or None), or a ValueError."""
     if group_size is None:
         return None
-    try:
-        size = None if isinstance(group_size, bool) else operator.index(group_size)  # numpy too
-    except TypeError:
-        size = None
+    size = as_index(group_size)  # numpy's integers too
     if size is None or size < 2:
         raise ValueError("group_size must be an integer of at least 2 (a group of one sample has "
                          f"no variance), or None for the whole batch; got {group_size!r}")
