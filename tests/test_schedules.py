@@ -174,6 +174,10 @@ def test_bad_arguments():
     for seed in (None, 1.5, "7", -1, 2**64 - 1):  # 2**64 - 1 failed at epoch 1's first batch
         with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
             DistributedBatchSampler(50, 10, rank=0, world_size=2, seed=seed)
+    # what operator.index takes (a 0-d integer tensor, numpy's integers) counts as its int
+    indexed = DistributedBatchSampler(50, 10, rank=0, world_size=2, seed=torch.tensor(7))
+    assert indexed.seed == 7 and type(indexed.seed) is int
+    assert list(indexed) == list(DistributedBatchSampler(50, 10, 0, 2, seed=7))
     sampler = DistributedBatchSampler(50, 10, rank=0, world_size=2)
     for epoch, first_batch in ((0, -1), (-1, 0), (0, 1.5)):
         with pytest.raises(ValueError, match="must be an int >= 0"):

@@ -6,7 +6,7 @@ import bisect
 import torch
 from torch.utils.data import Sampler
 
-from .._checks import is_int
+from .._checks import as_index, is_int
 
 
 class BatchSizeSchedule:
@@ -74,8 +74,10 @@ class DistributedBatchSampler(Sampler):
                              f"int; got rank {rank!r}, world_size {world_size!r}")
         if not (is_int(dataset_size) and dataset_size >= 0):
             raise ValueError(f"dataset_size must be an int >= 0, got {dataset_size!r}")
-        if not (is_int(seed) and 0 <= seed < 2**63):  # seed + epoch must fit a torch seed
+        index = as_index(seed)  # numpy's integers too, as torch's DistributedSampler takes
+        if index is None or not 0 <= index < 2**63:  # seed + epoch must fit a torch seed
             raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        seed = index
         self.schedule = schedule if isinstance(schedule, BatchSizeSchedule) \
             else BatchSizeSchedule(schedule)
         self.schedule.check_divisible(world_size)
