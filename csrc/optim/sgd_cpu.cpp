@@ -53,10 +53,13 @@ void update_range(const SgdTensor& t, int64_t begin, int64_t end, const SgdScala
   }
 }
 
-// Sums of squares of the parameter and of the (still scaled) gradient over [begin, end).
+// Sums of squares of the parameter and of the unscaled gradient over [begin, end). Unscaled
+// before squaring: a scaled gradient's squares can overflow float where its values do not.
 template <typename T>
-std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t end) {
+std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t end,
+                                    float inv_grad_scale) {
   constexpr int64_t kStep = 2 * Vec::size();
+  const Vec unscale(inv_grad_scale);
   Vec pp(0.f), gg(0.f);
   for (int64_t i = begin; i < end; i += kStep) {
     const int64_t count = std::min(kStep, end - i);
@@ -64,8 +67,9 @@ std::pair<float, float> sum_squares(const SgdTensor& t, int64_t begin, int64_t e
     load_pair(static_cast<const T*>(t.param) + i, count, p[0], p[1]);
     load_pair(static_cast<const T*>(t.grad) + i, count, g[0], g[1]);
     for (int k = 0; k < 2; ++k) {
+      const Vec gk = g[k] * unscale;
       pp = at::vec::fmadd(p[k], p[k], pp);
-      gg = at::vec::fmadd(g[k], g[k], gg);
+      gg = at::vec::fmadd(gk, gk, gg);
     }
   }
   return {at::vec::vec_reduce_all<float>(std::plus<Vec>(), pp),
@@ -101,7 +105,7 @@ void run_sgd_cpu_typed(const SgdStep& step) {
     std::vector<std::pair<float, float>> partial(offsets.back());
     for_each_chunk(step, offsets, [&](int t, int64_t c, int64_t begin, int64_t end) {
       if (step.groups[step.tensors[t].group].trust_coefficient != 0.f)
-        partial[c] = sum_squares<T>(step.tensors[t], begin, end);
+        partial[c] = sum_squares<T>(step.tensors[t], begin, end, inv_grad_scale);
     });
     for (size_t t = 0; t < n; ++t) {
       double pp = 0, gg = 0;
@@ -110,7 +114,7 @@ void run_sgd_cpu_typed(const SgdStep& step) {
         gg += partial[c].second;
       }
       trust[t] = lars_trust_ratio(static_cast<float>(std::sqrt(pp)),
-                                  static_cast<float>(std::sqrt(gg)) * std::fabs(inv_grad_scale),
+                                  static_cast<float>(std::sqrt(gg)),
                                   step.groups[step.tensors[t].group]);
     }
   }

@@ -73,7 +73,12 @@ __device__ __forceinline__ bool skip_step(const LaunchArgs& args) {
   return args.found_inf != nullptr && *args.found_inf != 0.f;
 }
 
-// LARS, first launch: per-chunk sums of squares of p and of the still-scaled g.
+__device__ __forceinline__ float inverse_grad_scale(const LaunchArgs& args) {
+  return args.grad_scale != nullptr ? 1.f / *args.grad_scale : 1.f;
+}
+
+// LARS, first launch: per-chunk sums of squares of p and of the unscaled g (unscaled before
+// squaring: a scaled gradient's squares can overflow float where its values do not).
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     chunk_sum_squares_kernel(const __grid_constant__ LaunchArgs args) {
@@ -84,13 +89,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     if (args.groups[args.group[chunk.tensor]].trust_coefficient == 0.f) continue;
     const T* param = static_cast<const T*>(args.param[chunk.tensor]);
     const T* grad = static_cast<const T*>(args.grad[chunk.tensor]);
+    const float unscale = inverse_grad_scale(args);
     float pp = 0.f, gg = 0.f;
     for_each_pack(chunk, args.packed[chunk.tensor], [&](int64_t i, auto width) {
       constexpr int N = decltype(width)::value;
       const Pack<T, N> p = load_pack<N>(param, i), g = load_pack<N>(grad, i);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const float pj = to_acc(p.v[j]), gj = to_acc(g.v[j]);
+        const float pj = to_acc(p.v[j]), gj = to_acc(g.v[j]) * unscale;
         pp += pj * pj;
         gg += gj * gj;
       }
@@ -105,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
 }
 
 // LARS trust ratio of tensor t from the partials of all its chunks (fixed order: deterministic).
-__device__ float trust_ratio(const LaunchArgs& args, int t, float inv_grad_scale, float* shared) {
+__device__ float trust_ratio(const LaunchArgs& args, int t, float* shared) {
   float pp = 0.f, gg = 0.f;
   for (int64_t c = args.chunk_offset[t] + threadIdx.x; c < args.chunk_offset[t + 1];
        c += blockDim.x) {
@@ -114,7 +120,7 @@ __device__ float trust_ratio(const LaunchArgs& args, int t, float inv_grad_scale
   }
   pp = block_sum(pp, shared);
   gg = block_sum(gg, shared);
-  return lars_trust_ratio(sqrtf(pp), sqrtf(gg) * fabsf(inv_grad_scale), args.groups[args.group[t]]);
+  return lars_trust_ratio(sqrtf(pp), sqrtf(gg), args.groups[args.group[t]]);
 }
 
 template <typename T>
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
   if (skip_step(args)) return;
   if (threadIdx.x == 0) trust_tensor = -1;
   __syncthreads();  // trust_tensor is read below by every thread
-  const float inv_grad_scale = args.grad_scale != nullptr ? 1.f / *args.grad_scale : 1.f;
+  const float inv_grad_scale = inverse_grad_scale(args);
   const BufferMode mode = effective_mode(args.mode, args.first_step_pending);
   for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
     const Chunk chunk = chunk_at(args, c);
@@ -135,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     float trust = 1.f;
     if (group.trust_coefficient != 0.f) {
       if (trust_tensor != chunk.tensor) {  // block-uniform: all threads enter block_sum
-        const float r = trust_ratio(args, chunk.tensor, inv_grad_scale, shared);
+        const float r = trust_ratio(args, chunk.tensor, shared);
         __syncthreads();  // everyone has read trust_tensor before thread 0 changes it
         if (threadIdx.x == 0) { trust_tensor = chunk.tensor; trust_cached = r; }
         __syncthreads();
