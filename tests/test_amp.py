@@ -209,3 +209,22 @@ def test_steps_under_grad_scaler_reuse_the_launches():
             torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
     assert plans[0] is None and plans[1] is not None  # the first made buffers
     assert all(plan is plans[1] for plan in plans[2:])
+
+
+def test_many_skips_on_several_devices_leave_momentum_as_torch():
+    """GradScaler hands the sum of its devices' found_inf (2 where two devices found an inf):
+    multiplied into the pending flag, 2**k grew to inf over 128 skipped steps, inf * 0 was NaN,
+    and the buffer restarted at every later step. Simulated on one device with found_inf = 2."""
+    p = torch.zeros(3, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    optimizer = bb.optim.SGD([p], lr=1.0, momentum=0.9)
+    expected_optimizer = torch.optim.SGD([q], lr=1.0, momentum=0.9)
+    p.grad, q.grad = torch.ones(3), torch.ones(3)
+    for _ in range(130):
+        optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(2.0)
+        optimizer.step()
+    for _ in range(4):
+        optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(0.0)
+        optimizer.step()
+        expected_optimizer.step()
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=0)

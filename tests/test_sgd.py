@@ -587,3 +587,29 @@ def test_buffers_the_state_drops_are_freed():
     optimizer.state.clear()
     gc.collect()
     assert buffers and all(buffer() is None for buffer in buffers)
+
+
+@pytest.mark.parametrize("start_dtypes", [(torch.float32, torch.float32),
+                                          (torch.float32, torch.float16)],
+                         ids=["one_launch", "two_launches"])
+def test_parameters_converted_in_place_between_steps_step_as_torch(start_dtypes):
+    """module.to(dtype) converts its parameters in place (p.data = ...): the same objects in
+    another dtype. A reused plan sorted them as before, and the op refused a launch of mixed
+    dtypes where torch.optim.SGD steps on."""
+    results = []
+    for optimizer_class in (torch.optim.SGD, bb.optim.SGD):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        model[1].to(start_dtypes[1])
+        # lr a power of two: torch's bfloat16 add rounds its alpha to bfloat16, ours does not
+        optimizer = optimizer_class(model.parameters(), lr=0.125)
+        for step in range(3):
+            if step == 2:  # one parameter of a launch, as module.to converts each
+                model[0].weight.data = model[0].weight.data.to(torch.bfloat16)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+        results.append([p.detach() for p in model.parameters()])
+    for expected, ours in zip(*results):
+        assert ours.dtype == expected.dtype
+        torch.testing.assert_close(ours, expected)

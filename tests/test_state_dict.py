@@ -99,3 +99,23 @@ def test_a_differentiable_torch_state_loads_as_what_our_step_does():
                         momentum=0.9)
     ours.load_state_dict(theirs.state_dict())
     assert ours.param_groups[0]["differentiable"] is False
+
+
+def test_a_torch_state_dict_keeps_our_group_options():
+    """torch.optim.SGD's groups lack our keys: loading its state dict keeps each group's own
+    values of them (LARS's lars_exclude from param_groups, SGD's momentum_form), not the
+    constructor's defaults, which made LARS adapt biases and BatchNorm's weights."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    lars = bb.optim.LARS(bb.optim.param_groups(model, weight_decay=1e-4), lr=0.1, momentum=0.9)
+    saved = torch.optim.SGD([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                             for g in lars.param_groups], lr=0.2, momentum=0.9).state_dict()
+    lars.load_state_dict(saved)
+    assert [g["lars_exclude"] for g in lars.param_groups] == [False, True]
+    assert [g["lr"] for g in lars.param_groups] == [0.2, 0.2]  # what was saved is loaded
+    w1, w2 = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    sgd = bb.optim.SGD([{"params": [w1]}, {"params": [w2], "momentum_form": "goyal",
+                                           "lr_correction": False}], lr=0.1, momentum=0.9)
+    sgd.load_state_dict(torch.optim.SGD([{"params": [w1]}, {"params": [w2]}], lr=0.1,
+                                        momentum=0.9).state_dict())
+    assert [g["momentum_form"] for g in sgd.param_groups] == ["torch", "goyal"]
+    assert [g["lr_correction"] for g in sgd.param_groups] == [True, False]

@@ -83,8 +83,9 @@ def _momentum_scale(group):
 class _Launch:
     """The tensors of one kernel launch: one device, one dtype, one buffer mode."""
 
-    def __init__(self, name, device, mode, pending):
+    def __init__(self, name, dtype, device, mode, pending):
         self.name = name  # the optimizer's class, for errors
+        self.dtype, self.device = dtype, device  # of every parameter, when the launch was made
         self.mode = mode
         self.first_step = mode == _FIRST_STEP
         self.pending = pending  # the buffers' shared _PENDING flag, or None
@@ -109,6 +110,8 @@ class _Launch:
             # again (one more attribute per gradient on every step): the op refuses it, in
             # the dispatcher's words.
             _refuse_sparse(self.name, self.grads)
+            if any(p.dtype != self.dtype or p.device != self.device for p in self.params):
+                raise _StalePlan from error
             def place(match):
                 tensor = int(match.group(2))
                 group = self.group_of_tensor[tensor]
@@ -118,6 +121,11 @@ class _Launch:
             error.args = (re.sub(r"\b(params|grads|momentum_buffers)\[(\d+)\]", place,
                                  str(error), count=1),) + error.args[1:]
             raise
+
+
+class _StalePlan(Exception):
+    """A reused launch met a parameter converted in place (module.to(), p.data = ...) since
+    its plan was made; the op refused the launch before touching any of its tensors."""
 
 
 def _refuse_sparse(name, grads):
@@ -162,7 +170,7 @@ class _LaunchPlan:
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"{name} supports float32, float16 and bfloat16 "
                                     f"parameters, got {p.dtype}")
-                launch = launches[key] = _Launch(name, p.device, mode, pending)
+                launch = launches[key] = _Launch(name, p.dtype, p.device, mode, pending)
             launch.params.append(p)
             launch.indices.append(i)
             launch.direct = launch.direct and type(p) in _PLAIN_TYPES and type(grad) is torch.Tensor
@@ -180,7 +188,20 @@ class _LaunchPlan:
                 and [group["momentum"] != 0 for group in groups] == self.momentum_on
                 and list(map(type, grads)) == self.grad_types
                 and [buffer is not None for buffer in buffers] == self.has_buffer
-                and all(map(operator.is_, pendings, self.pendings)))
+                and all(map(operator.is_, pendings, self.pendings))
+                # A converted parameter would join another launch. With one launch the op
+                # refuses the stale one before it steps anything (_StalePlan), so the common
+                # single-dtype step reads no dtype or device here.
+                and (len(self.launches) == 1 or all(
+                    p.dtype == launch.dtype and p.device == launch.device
+                    for launch in self.launches for p in launch.params)))
+
+
+def _skipped(found_inf, device):
+    """A new float32 flag on `device`: 1 where GradScaler skips this step, else 0. GradScaler's
+    found_inf sums its devices' flags (2 where two found infs): a pending flag multiplied by
+    such sums would grow to inf over skipped steps, and inf * 0 is NaN, pending forever."""
+    return found_inf.ne(0).to(device=device, dtype=torch.float32)
 
 
 class _FusedSGD(Optimizer):
@@ -205,6 +226,17 @@ class _FusedSGD(Optimizer):
             self.param_groups.pop()
             raise ValueError(f"{type(self).__name__}: a parameter group lists a parameter more "
                              "than once; list each parameter once")
+
+    def load_state_dict(self, state_dict):
+        """torch.optim's load; a saved group that lacks keys of ours (one of torch.optim.SGD's,
+        or of SGD where this is LARS) keeps this group's values of them, not the defaults: LARS
+        groups built by param_groups() keep their lars_exclude, SGD's their momentum_form."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) == len(self.param_groups):  # else torch's load names the mismatch
+            state_dict = {**state_dict, "param_groups": [
+                {**{key: group[key] for key in self.defaults if key in group}, **saved}
+                for group, saved in zip(self.param_groups, saved_groups)]}
+        super().load_state_dict(state_dict)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -263,7 +295,7 @@ class _FusedSGD(Optimizer):
                 launch.states = [self.state[p] for p in launch.params]
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
                 if found_inf is not None:  # this first step may be skipped on the device
-                    launch.pending = found_inf.to(launch.params[0].device, copy=True)
+                    launch.pending = _skipped(found_inf, launch.params[0].device)
         return plan.launches
 
     def _group_lists(self, device, momentum_scales):
@@ -308,6 +340,19 @@ class _FusedSGD(Optimizer):
         # A group without gradients takes no step: its previous LR stays (see _momentum_scale).
         momentum_scales = [_momentum_scale(group) if index in stepped else 1.0
                            for index, group in enumerate(self.param_groups)]
+        try:
+            self._run_launches(launches, momentum_scales, grad_scale, found_inf)
+        except _StalePlan:  # nothing has stepped: sort the parameters again
+            self._launch_plan = None
+            self._run_launches(self._gather_launches(found_inf), momentum_scales, grad_scale,
+                               found_inf)
+        for index in stepped:  # once every launch ran: a step that raises leaves it as it was
+            group = self.param_groups[index]
+            if _uncorrected_goyal(group):
+                group["prev_lr"] = float(group["lr"])
+        return loss
+
+    def _run_launches(self, launches, momentum_scales, grad_scale, found_inf):
         # The op checks a launch's tensors before it touches any: a launch that raises leaves
         # its parameters and their state as they were (launches of other dtypes or devices
         # that ran before it have stepped).
@@ -329,11 +374,6 @@ class _FusedSGD(Optimizer):
         finally:  # the launches kept for the next step keep no gradient or buffer alive
             for launch in launches:
                 launch.grads, launch.buffers, launch.states = None, [], []
-        for index in stepped:  # once every launch ran: a step that raises leaves it as it was
-            group = self.param_groups[index]
-            if _uncorrected_goyal(group):
-                group["prev_lr"] = float(group["lr"])
-        return loss
 
     def state_dict(self):
         """torch.optim's state dict, without the buffers whose every step GradScaler skipped so
@@ -365,7 +405,7 @@ class _FusedSGD(Optimizer):
             for p in launch.params:
                 del self.state[p][_PENDING]
         else:  # pending only if this step was skipped too; in place: a kept plan holds it
-            launch.pending.mul_(found_inf)
+            launch.pending.mul_(_skipped(found_inf, found_inf.device))
 
 
 class SGD(_FusedSGD):
