@@ -597,11 +597,13 @@ def train_one_epoch(model, criterion, optimizer, scheduler, loader, epoch, epoch
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """(mean cross-entropy, accuracy) on the whole test set: each rank's share, summed."""
+def evaluate(model, loader, device, label_smoothing):
+    """(mean loss, accuracy) on the whole test set: each rank's share, summed. The loss is the
+    training's (label smoothing included, as torchvision's recipe evaluates): the two losses
+    the job reports and plots side by side measure the same thing."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
-    criterion = nn.CrossEntropyLoss(reduction="sum")
+    criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=label_smoothing)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device):
@@ -831,7 +833,7 @@ def main(args):
         evaluation_start = time.time()
         for buffer in model.buffers():  # every rank evaluates rank 0's (checkpointed) statistics
             dist.broadcast(buffer, src=0)
-        test_loss, accuracy = evaluate(model, test_loader, device)
+        test_loss, accuracy = evaluate(model, test_loader, device, recipe.label_smoothing)
         rows.append({"epoch": epoch + 1, "train_loss": trained["train_loss"],
                      "test_loss": test_loss, "test_accuracy": accuracy,
                      "lr": trained["lr"], "global_batch": schedule(epoch),

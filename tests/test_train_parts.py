@@ -47,6 +47,33 @@ def start_at(rank, world_size, port, starts):
         return str(error)
 
 
+def evaluate_share(rank, world_size, port, images, labels, label_smoothing):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(images.shape[1], 3)
+    share = [(images[i:i + 2], labels[i:i + 2]) for i in range(rank * 2, len(images), 4)]
+    return train.evaluate(model, share, torch.device("cpu"), label_smoothing)
+
+
+def test_the_test_loss_is_the_training_loss_over_every_rank_share():
+    """Two ranks' shares give the mean loss of the whole set, with the training's label
+    smoothing (torchvision's recipe evaluates so; the job plotted a smoothed training loss
+    beside an unsmoothed test loss as one quantity), and the accuracy of the whole set."""
+    generator = torch.Generator().manual_seed(1)
+    images, labels = torch.randn(10, 5, generator=generator), torch.arange(10) % 3
+    torch.manual_seed(0)
+    logits = torch.nn.Linear(5, 3)(images)
+    for label_smoothing in (0.0, 0.1):
+        results = run_ranks(evaluate_share, 2, images, labels, label_smoothing, deadline=60)
+        expected = torch.nn.functional.cross_entropy(logits, labels,
+                                                     label_smoothing=label_smoothing).item()
+        accuracy = (logits.argmax(1) == labels).double().mean().item()
+        for loss, ranks_accuracy in results:
+            assert loss == pytest.approx(expected, rel=1e-6)
+            assert ranks_accuracy == pytest.approx(accuracy, rel=1e-12)
+
+
 @pytest.mark.slow
 def test_ranks_that_would_start_at_different_points_all_stop():
     """Each rank reads the checkpoint in its --output: one that is not shared by every node
