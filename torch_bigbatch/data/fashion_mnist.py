@@ -51,9 +51,14 @@ def _read_split(split, root):
 
 @functools.lru_cache(maxsize=4)
 def _training_statistics(root):
-    """Mean and standard deviation of the training images, in [0, 1] units."""
-    images = _read_split("train", root)[0].double() / 255
-    return images.mean().item(), images.std(correction=0).item()
+    """Mean and standard deviation of the training images, in [0, 1] units, from the count of
+    each of the 256 pixel values (exact, where float64 copies of the 47 M pixels took 0.75 GB
+    in every rank)."""
+    counts = torch.bincount(_read_split("train", root)[0].flatten(), minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64) / 255
+    mean = (counts * values).sum() / counts.sum()
+    variance = (counts * (values - mean) ** 2).sum() / counts.sum()
+    return mean.item(), variance.sqrt().item()
 
 
 def load_fashion_mnist(split, root=DEFAULT_ROOT):
