@@ -85,8 +85,9 @@ class TorusOptions:
         the fastest from then on, flat unless a torus beats it by 5% (a log line on rank 0 says
         which; torus_algorithm_table() lists them). None (default): the
         TORCH_BIGBATCH_TORUS_ALGORITHM environment variable, else "auto". The algorithms may
-        differ in the last bits of a float sum: a run that must repeat bit for bit fixes the
-        algorithm or pins a table.
+        differ in the last bits of a float sum, and in MIN and MAX over a NaN (the torus keeps
+        it, Gloo's own allreduce may not): a run that must repeat bit for bit fixes the
+        algorithm or pins a table (README, "The torus backend").
     torus_max_bytes: with "auto", a fixed rule instead of measuring: the torus for buffers of at
         most this many bytes, the flat allreduce above (refused with another algorithm).
     table: with "auto", classes whose choice is pinned rather than measured: the rows of
