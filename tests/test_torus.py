@@ -703,6 +703,24 @@ def test_a_wait_with_a_timeout_is_bounded_by_it_while_an_earlier_callback_runs()
         assert released is True and value == 3.0
 
 
+def calls_under_a_timeout_of_a_century(rank, world_size, port):
+    century = datetime.timedelta(days=36500)
+    init(rank, world_size, port, TorusOptions(algorithm="auto"), seconds=century.total_seconds())
+    tensors = [torch.full((1000,), float(rank + 1)) for _ in range(CALLS_TO_DECIDE + 8)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for work in works:
+        work.wait(timeout=century)
+    return [t[0].item() for t in tensors]
+
+
+def test_a_timeout_meant_as_never_is_no_deadline_in_the_past():
+    """A century's timeout added to the clock's int64 nanoseconds (three times, for the
+    deciding call's bound) overflowed into a deadline in the past: the decision failed at
+    once, and with it every later call."""
+    for values in run_ranks(calls_under_a_timeout_of_a_century, 2, deadline=60):
+        assert values == [3.0] * (CALLS_TO_DECIDE + 8)
+
+
 EXIT_AFTER_FUTURES = """
 import datetime, torch, torch.distributed as dist
 import socket

@@ -1,5 +1,6 @@
 #include "torus/algorithm_tuner.h"
 
+#include "torus/deadline.h"
 #include "torus/topology.h"
 #include "torus/torus_work.h"
 
@@ -435,7 +436,7 @@ std::shared_ptr<Agreement> AlgorithmTuner::agreement(c10::DeviceType device, int
   agreement->size_class = size_class;
   agreement->trials = state.trials;
   agreement->candidates = state.candidates.size();
-  agreement->deadline = Clock::now() + timeout_;
+  agreement->deadline = deadline_after(Clock::now(), timeout_);
   return agreement;
 }
 
@@ -490,8 +491,8 @@ void AlgorithmTuner::decide(c10::DeviceType device, int size_class, ClassState& 
   } else {
     try {  // the tuner's thread ends it within the timeout after the trials' deadline, unless
            // an earlier class's agreement held it: a bound all the same
-      best = state.agreement->result(state.agreement->deadline + 2 * timeout_ +
-                                     std::chrono::seconds(1));
+      best = state.agreement->result(deadline_after(state.agreement->deadline,
+                                                    2 * timeout_ + std::chrono::seconds(1)));
     } catch (...) {  // its own failure is the decision's, recorded; a late end is not
       std::exception_ptr error = std::current_exception();
       if (!state.agreement->failed()) error = decision_failure(*state.agreement, error, *failure_);

@@ -1,5 +1,7 @@
 #include "torus/delivery_order.h"
 
+#include "torus/deadline.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -45,10 +47,10 @@ bool DeliveryOrder::wait_turn_unless_late(uint64_t ticket) {
     const auto head = delivering_since_.find(next_);
     if (head == delivering_since_.end()) {
       turn_.wait(lock);  // its collective is still running; delivering() and done() notify
-    } else if (Clock::now() >= head->second + timeout_) {
+    } else if (Clock::now() >= deadline_after(head->second, timeout_)) {
       return false;
     } else {
-      turn_.wait_until(lock, head->second + timeout_);
+      turn_.wait_until(lock, deadline_after(head->second, timeout_));
     }
   }
   return true;

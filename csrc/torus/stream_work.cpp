@@ -1,5 +1,7 @@
 #include "torus/stream_work.h"
 
+#include "torus/deadline.h"
+
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -27,7 +29,7 @@ StreamWork::StreamWork(std::shared_ptr<PipelineContext> context, c10d::OpType op
     : TorusWork(context->shape.rank, op_type, std::move(outputs), context->order, completion),
       context_(std::move(context)),
       device_work_(std::move(device_work)),
-      deadline_(Clock::now() + context_->timeout) {}
+      deadline_(deadline_after(Clock::now(), context_->timeout)) {}
 
 void StreamWork::poll() {
   // Queried first: an error that ended a phase early is visible by the time the event is.
@@ -52,7 +54,7 @@ bool StreamWork::device_done() const {
 bool StreamWork::wait(std::chrono::milliseconds timeout) {
   std::exception_ptr error;
   if (timeout != kNoTimeout) {
-    const auto until = Clock::now() + timeout;
+    const auto until = deadline_after(Clock::now(), timeout);
     if (!wait_until_ended(until)) {
       fail(timed_out(timeout));
       wait_until_ended(std::nullopt);  // the watcher's end(), if it settled the work first

@@ -1,6 +1,7 @@
 #include "torus/torus_work.h"
 
 #include "torus/callback_threads.h"
+#include "torus/deadline.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -153,7 +154,7 @@ bool TorusWork::delivered_by(std::optional<Clock::time_point> until) {
 
 bool TorusWork::wait(std::chrono::milliseconds timeout) {
   std::optional<Clock::time_point> until;
-  if (timeout != kNoTimeout) until = Clock::now() + timeout;
+  if (timeout != kNoTimeout) until = deadline_after(Clock::now(), timeout);
   // As c10d::Work::wait says a timeout.
   TORCH_CHECK(wait_until_ended(until) && delivered_by(until), "Operation timed out!");
   return c10d::Work::wait(kNoTimeout);  // raises its failure
