@@ -43,6 +43,7 @@ SUBNET = "10.77.0"  # a private range that exists only inside the namespaces
 RUN_DIR = "/run/torch_bigbatch"  # a folder per cluster: its owner and its hosts files
 RDZV_PORT = 29400
 COMMAND_TIMEOUT = 10  # seconds for one ip/tc call
+FAILED_NODE_GRACE = 30  # seconds the other nodes get to end once one has failed
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each tears the cluster down
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -309,10 +310,13 @@ class EmulatedCluster:
                 self._limit(self.bridge, node.port)
 
     def _limit(self, namespace, device):
-        # tbf needs a bucket of at least one timer tick's bytes (4 ms of traffic is ample), and
-        # one above the veth's 64 KiB GSO packets, which it would otherwise cut into MTU-sized
-        # ones: their headers would then count at low rates and not at high ones.
-        burst = max(int(self.rate_bits / 8 * 0.004), 128 << 10)
+        # A bucket of two of the veth's 64 KiB GSO packets (smaller, tbf would cut them into
+        # MTU-sized ones, whose headers would then count at low rates and not at high ones), or
+        # 1 ms of traffic at high rates. Not more: a message within the bucket crosses at the
+        # host's speed, and at 4 ms of traffic (500 KB at 1 Gbit/s, the bucket until
+        # 2026-11-28) a 400 KB message took 0.4-1.4 ms instead of 3.2, and the demo job's
+        # 311 KB gradient bucket never met the limit (tbf's overlimits stayed 0).
+        burst = max(int(self.rate_bits / 8 * 0.001), 128 << 10)
         sh("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
            "rate", self.rate, "burst", str(burst), "latency", "50ms")
 
@@ -357,8 +361,11 @@ class EmulatedCluster:
             except subprocess.TimeoutExpired:
                 pass  # killed with the rest of its namespace below
         # SIGKILLs whatever still runs in them; one that cannot be removed keeps the folder,
-        # whose owner's end then tells a later run to remove it
-        removed = all([remove_namespace(name) for name in reversed(self._created)])
+        # whose owner's end then tells a later run to remove it. Also those of this cluster's
+        # tag that were never recorded: an `ip netns add` that timed out may have made one.
+        unrecorded = [name for name in namespaces_of(os.path.basename(self.folder))
+                      if name not in self._created] if self.folder else []
+        removed = all([remove_namespace(name) for name in [*reversed(self._created), *unrecorded]])
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
@@ -391,18 +398,22 @@ class EmulatedCluster:
 
     def run(self, argv_of_node, timeout, env=None):
         """Runs argv_of_node(node) in every node at once; returns [(returncode, output)] by
-        node. Past `timeout` seconds the processes are ended and TimeoutError names the nodes
-        still running, with every node's output."""
+        node. Once a node has failed (exited non-zero) the others get FAILED_NODE_GRACE seconds
+        to end (their own collectives' timeouts may be long), then are ended (a negative code).
+        Past `timeout` seconds with no node failed, the processes are ended and TimeoutError
+        names the nodes still running, with every node's output."""
         with tempfile.TemporaryDirectory() as folder:
             logs = [os.path.join(folder, f"{node.hostname}.log") for node in self.nodes]
             processes = [self.start(node, argv_of_node(node), log, env)
                          for node, log in zip(self.nodes, logs)]
             deadline = time.monotonic() + timeout
-            for process in processes:
-                try:
-                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            failed = False
+            while time.monotonic() < deadline and None in [p.poll() for p in processes]:
+                if not failed and any(p.returncode not in (None, 0) for p in processes):
+                    failed = True
+                    deadline = min(deadline, time.monotonic() + FAILED_NODE_GRACE)
+                time.sleep(0.1)
+            failed = failed or any(p.poll() not in (None, 0) for p in processes)
             late = [node.hostname for node, process in zip(self.nodes, processes)
                     if process.poll() is None]
             for node, process in zip(self.nodes, processes):  # nothing outlives run()
@@ -412,7 +423,7 @@ class EmulatedCluster:
                 if late:  # what the command started (torchrun's workers) too
                     kill_processes_in(node.namespace)
             outputs = [read_text(log) for log in logs]
-        if late:
+        if late and not failed:
             raise TimeoutError(f"{late} still running after {timeout} s\n"
                                + format_outputs(self.nodes, outputs))
         return [(process.returncode, output) for process, output in zip(processes, outputs)]

@@ -5,6 +5,7 @@ phase, and a restart resumes to the parameters of an uninterrupted run; Gloo fin
 address where its name resolves to a loopback one; the columns' bytes cross the links as the
 torus promises. These need root and network namespaces, and skip (saying why) without them."""
 
+import json
 import os
 import re
 import signal
@@ -113,6 +114,49 @@ def test_a_node_resolves_the_names_with_its_own_hostname_and_hosts():
     with open("/etc/hosts") as file:
         assert file.read() == host_hosts
     assert os.path.exists("/etc/netns") == etc_netns
+
+
+def test_a_rate_limit_holds_a_message_of_a_few_hundred_kilobytes():
+    """tbf's bucket is the limit's free burst: at 4 ms of traffic (500 KB at 1 Gbit/s) a
+    400 KB message crossed at the host's speed and the demo job's gradient bucket never met the
+    limit. Now two 64 KiB GSO packets, or 1 ms of traffic at higher rates."""
+    for rate, burst in (("1gbit", 128 << 10), ("10gbit", 1_250_000)):
+        with EmulatedCluster(2, rate=rate) as cluster:
+            for namespace, device in ((cluster.nodes[0].namespace, "eth0"),
+                                      (cluster.bridge, cluster.nodes[0].port)):
+                shown = subprocess.run(["tc", "-j", "-n", namespace, "qdisc", "show", "dev",
+                                        device], capture_output=True, text=True, timeout=10,
+                                       check=True).stdout
+                (qdisc,) = [q for q in json.loads(shown) if q["kind"] == "tbf"]
+                # tc shows the bucket as the kernel keeps it, rounded to its time units
+                assert abs(qdisc["options"]["burst"] - burst) < burst / 100, qdisc
+
+
+def test_a_failed_node_ends_the_run_without_waiting_for_the_timeout(monkeypatch):
+    """One node's command failed, the other's ran on (as a rank waits out its collectives'
+    timeout): run() waited for the whole timeout and then named the survivor as late. Now it
+    ends the others after a grace period and returns every node's code."""
+    import emulated_cluster
+    monkeypatch.setattr(emulated_cluster, "FAILED_NODE_GRACE", 1)
+    start = time.monotonic()
+    with EmulatedCluster(2) as cluster:
+        results = cluster.run(lambda node: ["sh", "-c", "exit 3"] if node.index == 1
+                              else ["sleep", "120"], timeout=100)
+    assert time.monotonic() - start < 60
+    assert results[1][0] == 3 and results[0][0] != 0, results
+
+
+def test_a_namespace_of_its_tag_that_it_never_recorded_is_removed():
+    """An `ip netns add` that times out may still have made the namespace: unrecorded, it was
+    never deleted (a later run's cleanup follows only a dead owner's folder)."""
+    with EmulatedCluster(1) as cluster:
+        stray = f"{cluster.nodes[0].namespace}9"  # this cluster's tag, as a node's name is
+        subprocess.run(["ip", "netns", "add", stray], check=True, timeout=10)
+    try:
+        assert stray not in namespaces()
+    finally:
+        if stray in namespaces():
+            subprocess.run(["ip", "netns", "del", stray], timeout=10)
 
 
 def test_namespaces_it_did_not_make_are_left_alone():
