@@ -69,12 +69,16 @@ test-cuda-build: $(FASHION_MNIST)
 # visible. `make gpu-data` first, here: a copy of Fashion-MNIST in .gpu-data/ (not in git) for
 # the run's `carry`, found there through TORCH_BIGBATCH_FASHION_MNIST. Where that machine's pip
 # or setuptools cannot make the editable install, gpu-build builds in place (PYTHONPATH finds it).
+# A machine's calls are short (10 minutes each, 15 in all): gpu-build builds once per source
+# and torch (a stamp in build/, which a warm machine keeps between calls), each test has 200 s,
+# the tests 540 s in all, and each benchmark a limit of its own (benchmarks/gpu_benchmarks.sh).
 GPU_OUT ?= runs/gpu
 # What test-gpu selects; GPU_MARKS=cuda runs the CUDA tests alone, where device time is short.
 GPU_MARKS ?= cuda or not slow
+# The steps of bench-gpu (benchmarks/gpu_benchmarks.sh names them); empty: all, in its order.
+GPU_BENCH ?=
 GPU_DATA := .gpu-data/fashion-mnist
-GPU_ENV := TORCH_BIGBATCH_FASHION_MNIST=$(CURDIR)/$(GPU_DATA) PYTHONUNBUFFERED=1 \
-  PYTHONPATH=$(CURDIR)
+GPU_STAMP := build/gpu-build.stamp
 
 gpu-data: $(FASHION_MNIST)
 	@mkdir -p $(GPU_DATA)
@@ -85,35 +89,34 @@ gpu-data: $(FASHION_MNIST)
 # nvcc's host compiler (torch's build passes CC to nvcc as -ccbin).
 GPU_CXX ?= g++
 GPU_CC ?= gcc
+# The tests and benchmarks compile too (torch.compile's C++): with the same compilers.
+GPU_ENV := TORCH_BIGBATCH_FASHION_MNIST=$(CURDIR)/$(GPU_DATA) PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(CURDIR) CXX=$(GPU_CXX) CC=$(GPU_CC)
 gpu-build: export CXX = $(GPU_CXX)
 gpu-build: export CC = $(GPU_CC)
 gpu-build:
 	@$(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
 	  'no GPU: this target needs a visible CUDA device (torch ' + torch.__version__ + ')')"
-	@mkdir -p $(GPU_OUT)
+	@mkdir -p $(GPU_OUT) build
+	@stamp=$$(cat setup.py $$(find csrc -type f | sort) | sha1sum | cut -c1-16)-$$($(PYTHON) \
+	  -c "import torch; print(torch.__version__)"); \
+	if [ "$$(cat $(GPU_STAMP) 2>/dev/null)" = "$$stamp" ]; then \
+	  echo "gpu-build: built already (sources and torch as at the last build)"; exit 0; fi; \
+	rm -f $(GPU_STAMP); \
 	$(PIP) install --no-build-isolation --no-deps --no-index -e . > $(GPU_OUT)/build.log 2>&1 \
 	  || (tail -20 $(GPU_OUT)/build.log; \
 	      echo "gpu-build: pip could not install it; building in place"; \
 	      $(PYTHON) setup.py build_ext --inplace > $(GPU_OUT)/build_inplace.log 2>&1 \
-	      || (tail -50 $(GPU_OUT)/build_inplace.log; exit 1))
+	      || (tail -50 $(GPU_OUT)/build_inplace.log; exit 1)) \
+	  && echo "$$stamp" > $(GPU_STAMP)
 
 # With pytest-xdist (the GPU machines have it) in 4 workers: a test that crashes its process
 # then fails alone instead of ending the run.
 test-gpu: gpu-build
-	$(GPU_ENV) $(PYTHON) -m pytest -m "$(GPU_MARKS)" -rfEs -p no:cacheprovider --tb=short \
-	  $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 4") \
+	$(GPU_ENV) timeout -k 10 540 $(PYTHON) -m pytest -m "$(GPU_MARKS)" -rfEs -p no:cacheprovider \
+	  --tb=short --timeout 200 $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 4") \
 	  --junitxml=$(GPU_OUT)/junit.xml > $(GPU_OUT)/test.log 2>&1; status=$$?; \
 	  tail -40 $(GPU_OUT)/test.log; exit $$status
 
 bench-gpu: gpu-build
-	(for dtype in float32 bfloat16; do \
-	  $(GPU_ENV) $(PYTHON) benchmarks/bench_optimizer.py --device cuda --dtype $$dtype \
-	    --csv $(GPU_OUT)/optimizer_$$dtype.csv || exit 1; \
-	  $(GPU_ENV) $(PYTHON) benchmarks/bench_batchnorm.py --device cuda --dtype $$dtype \
-	    --csv $(GPU_OUT)/batchnorm_$$dtype.csv || exit 1; \
-	done; \
-	$(GPU_ENV) $(PYTHON) benchmarks/bench_training.py --device cuda \
-	  --csv $(GPU_OUT)/training.csv || exit 1; \
-	$(GPU_ENV) $(PYTHON) benchmarks/bench_allreduce.py --device cuda --shapes 2x2 --rounds 3 \
-	  --csv $(GPU_OUT)/allreduce_cuda.csv) > $(GPU_OUT)/bench.log 2>&1; status=$$?; \
-	  cat $(GPU_OUT)/bench.log; exit $$status
+	$(GPU_ENV) PYTHON=$(PYTHON) bash benchmarks/gpu_benchmarks.sh $(GPU_OUT) $(GPU_BENCH)

@@ -303,6 +303,66 @@ def test_param_groups_leave_out_frozen_parameters_and_empty_groups():
     assert bb.optim.param_groups(model, 1e-4) == []
 
 
+@CUDA
+@needs_cuda
+def test_a_whole_training_step_replays_in_a_cuda_graph():
+    """torch's whole-network capture: forward (local BatchNorm), backward and the fused step
+    with a tensor LR in one graph; replayed over new batches and LRs it trains as eager steps
+    do (parameters and running statistics)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), bb.nn.LocalBatchNorm2d(8, group_size=4),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(8, 4)).cuda()
+    eager_model = copy.deepcopy(model)
+    lr = torch.tensor(0.05, device="cuda")
+    optimizer = bb.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-3)
+    eager_optimizer = bb.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9,
+                                   weight_decay=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 3, 8, 8, generator=generator).cuda(),
+                torch.randint(0, 4, (16,), generator=generator).cuda()) for _ in range(8)]
+    static_x, static_y = batches[0][0].clone(), batches[0][1].clone()
+
+    def train_step(net, opt, x, y):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    stream = torch.cuda.Stream()  # warm-up on a side stream (makes the momentum buffers)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x, y in batches[:3]:
+            optimizer.zero_grad(set_to_none=True)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            train_step(model, optimizer, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(stream)
+    for x, y in batches[:3]:
+        eager_optimizer.zero_grad(set_to_none=True)
+        train_step(eager_model, eager_optimizer, x, y)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)  # the gradients live in the graph's pool
+    with torch.cuda.graph(graph):
+        train_step(model, optimizer, static_x, static_y)
+    for step, (x, y) in enumerate(batches[3:]):
+        new_lr = 0.05 / (step + 1)  # a schedule between replays
+        lr.fill_(new_lr)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        eager_optimizer.param_groups[0]["lr"] = new_lr
+        eager_optimizer.zero_grad(set_to_none=True)
+        train_step(eager_model, eager_optimizer, x, y)
+    torch.cuda.synchronize()
+    for (name, a), b in zip(model.state_dict().items(), eager_model.state_dict().values()):
+        if a.is_floating_point():
+            assert_relative_close(a, b, 1e-4, name)
+        else:
+            assert torch.equal(a, b), name
+
+
 def test_param_groups_refuse_the_parameters_instead_of_the_model():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(TypeError, match="takes the model .an nn.Module., got generator"):
