@@ -361,11 +361,15 @@ class EmulatedCluster:
             except subprocess.TimeoutExpired:
                 pass  # killed with the rest of its namespace below
         # SIGKILLs whatever still runs in them; one that cannot be removed keeps the folder,
-        # whose owner's end then tells a later run to remove it. Also those of this cluster's
+        # whose owner's end then tells a later run to remove it. Then those of this cluster's
         # tag that were never recorded: an `ip netns add` that timed out may have made one.
-        unrecorded = [name for name in namespaces_of(os.path.basename(self.folder))
-                      if name not in self._created] if self.folder else []
-        removed = all([remove_namespace(name) for name in [*reversed(self._created), *unrecorded]])
+        removed = all([remove_namespace(name) for name in reversed(self._created)])
+        try:
+            unrecorded = [name for name in namespaces_of(os.path.basename(self.folder))
+                          if name not in self._created] if self.folder else []
+            removed = all([remove_namespace(name) for name in unrecorded]) and removed
+        except (RuntimeError, subprocess.TimeoutExpired):  # `ip netns list` failed: kept
+            removed = False
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)

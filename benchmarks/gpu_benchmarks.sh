@@ -23,7 +23,8 @@ for name in "${steps[@]}"; do  # before any runs: a misspelt step costs no devic
     || { echo "gpu_benchmarks.sh: no step $name (steps: ${all_steps[*]})" >&2; exit 2; }
 done
 mkdir -p "$out"
-bench="${PYTHON:-python3} benchmarks"
+: > "$out/bench.log"  # this run's alone, on a warm machine's second call too
+python=${PYTHON:-python3}
 
 # step NAME SECONDS COMMAND...: COMMAND under `timeout` (its whole process group killed 10 s
 # after SIGTERM), its output appended to bench.log and shown.
@@ -34,33 +35,33 @@ step() {
   echo "== $name (at most $seconds s): $*" | tee -a "$out/bench.log"
   timeout -k 10 "$seconds" "$@" 2>&1 | tee -a "$out/bench.log"
   local status=${PIPESTATUS[0]}
-  echo "== $name: exit $status after $((SECONDS - start)) s$([ "$status" = 124 ] \
-    && echo ', timed out')" | tee -a "$out/bench.log"
+  echo "== $name: exit $status after $((SECONDS - start)) s$( [ "$status" = 124 ] \
+    || [ "$status" = 137 ] && echo ', timed out')" | tee -a "$out/bench.log"
   [ "$status" = 0 ] || failed+=("$name")
 }
 
 for name in "${steps[@]}"; do
   case $name in
     optimizer)
-      step optimizer-float32 90 $bench/bench_optimizer.py --device cuda --dtype float32 \
-        --csv "$out/optimizer_float32.csv"
-      step optimizer-bfloat16 90 $bench/bench_optimizer.py --device cuda --dtype bfloat16 \
-        --csv "$out/optimizer_bfloat16.csv" ;;
+      for dtype in float32 bfloat16; do
+        step "optimizer-$dtype" 90 "$python" benchmarks/bench_optimizer.py --device cuda \
+          --dtype "$dtype" --csv "$out/optimizer_$dtype.csv"
+      done ;;
     training-eager)
-      step "$name" 150 $bench/bench_training.py --device cuda --modes eager \
+      step "$name" 150 "$python" benchmarks/bench_training.py --device cuda --modes eager \
         --csv "$out/training_eager.csv" ;;
     training-compile)
-      step "$name" 330 $bench/bench_training.py --device cuda --modes compile \
+      step "$name" 330 "$python" benchmarks/bench_training.py --device cuda --modes compile \
         --csv "$out/training_compile.csv" ;;
     batchnorm)
-      step "$name" 200 $bench/bench_batchnorm.py --device cuda --dtype bfloat16 \
+      step "$name" 200 "$python" benchmarks/bench_batchnorm.py --device cuda --dtype bfloat16 \
         --min-run-time 1 --csv "$out/batchnorm_bfloat16.csv" ;;
     batchnorm-fp32)
-      step "$name" 200 $bench/bench_batchnorm.py --device cuda --dtype float32 \
+      step "$name" 200 "$python" benchmarks/bench_batchnorm.py --device cuda --dtype float32 \
         --min-run-time 1 --csv "$out/batchnorm_float32.csv" ;;
     allreduce)
-      step "$name" 200 $bench/bench_allreduce.py --device cuda --shapes 2x2 --rounds 3 \
-        --csv "$out/allreduce_cuda.csv" ;;
+      step "$name" 200 "$python" benchmarks/bench_allreduce.py --device cuda --shapes 2x2 \
+        --rounds 3 --csv "$out/allreduce_cuda.csv" ;;
   esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

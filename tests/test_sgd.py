@@ -652,17 +652,20 @@ def test_buffers_the_state_drops_are_freed():
 @pytest.mark.parametrize("start_dtypes", [(torch.float32, torch.float32),
                                           (torch.float32, torch.float16)],
                          ids=["one_launch", "two_launches"])
-def test_parameters_converted_in_place_between_steps_step_as_torch(start_dtypes):
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_parameters_converted_in_place_between_steps_step_as_torch(start_dtypes, momentum):
     """module.to(dtype) converts its parameters in place (p.data = ...): the same objects in
     another dtype. A reused plan sorted them as before, and the op refused a launch of mixed
-    dtypes where torch.optim.SGD steps on."""
+    dtypes where torch.optim.SGD steps on; with momentum the buffer is converted too (torch
+    keeps it in float32: the same within bfloat16's rounding), where a fresh plan stepped one
+    launch and then refused the other's old buffer."""
     results = []
     for optimizer_class in (torch.optim.SGD, bb.optim.SGD):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         model[1].to(start_dtypes[1])
         # lr a power of two: torch's bfloat16 add rounds its alpha to bfloat16, ours does not
-        optimizer = optimizer_class(model.parameters(), lr=0.125)
+        optimizer = optimizer_class(model.parameters(), lr=0.125, momentum=momentum)
         for step in range(3):
             if step == 2:  # one parameter of a launch, as module.to converts each
                 model[0].weight.data = model[0].weight.data.to(torch.bfloat16)

@@ -86,6 +86,7 @@ class _Launch:
     def __init__(self, name, dtype, device, mode, pending):
         self.name = name  # the optimizer's class, for errors
         self.dtype, self.device = dtype, device  # of every parameter, when the launch was made
+        self.device_index = -1 if device.index is None else device.index  # as get_device()
         self.mode = mode
         self.first_step = mode == _FIRST_STEP
         self.pending = pending  # the buffers' shared _PENDING flag, or None
@@ -193,7 +194,7 @@ class _LaunchPlan:
                 # refuses the stale one before it steps anything (_StalePlan), so the common
                 # single-dtype step reads no dtype or device here.
                 and (len(self.launches) == 1 or all(
-                    p.dtype == launch.dtype and p.device == launch.device
+                    p.dtype is launch.dtype and p.get_device() == launch.device_index
                     for launch in self.launches for p in launch.params)))
 
 
@@ -280,6 +281,7 @@ class _FusedSGD(Optimizer):
         pendings = _state_entries(states, _PENDING)
         plan = self._launch_plan
         if plan is None or not plan.fits(self.param_groups, params, grads, buffers, pendings):
+            self._buffers_follow_their_parameters(params, buffers)
             plan = _LaunchPlan(self, params, grads, buffers, pendings)
         # New momentum buffers only once every tensor has passed the plan's checks; they join
         # the state once their launch has run (see step). Such a plan, or one tracking skipped
@@ -297,6 +299,15 @@ class _FusedSGD(Optimizer):
                 if found_inf is not None:  # this first step may be skipped on the device
                     launch.pending = _skipped(found_inf, launch.params[0].device)
         return plan.launches
+
+    def _buffers_follow_their_parameters(self, params, buffers):
+        """A parameter converted in place (module.to(), p.data = ...) leaves its momentum buffer
+        in the old dtype or device, which the kernel refuses: converted as torch's
+        load_state_dict converts state (torch.optim.SGD would step on with the old buffer).
+        Only where the launches are sorted again, off the reused plan's path."""
+        for i, (p, buffer) in enumerate(zip(params, buffers)):
+            if buffer is not None and (buffer.dtype != p.dtype or buffer.device != p.device):
+                buffers[i] = self.state[p]["momentum_buffer"] = buffer.to(p)
 
     def _group_lists(self, device, momentum_scales):
         lists = {key: [] for key in ("lr", "lr_tensor", "momentum", "momentum_scale",
@@ -405,7 +416,7 @@ class _FusedSGD(Optimizer):
             for p in launch.params:
                 del self.state[p][_PENDING]
         else:  # pending only if this step was skipped too; in place: a kept plan holds it
-            launch.pending.mul_(_skipped(found_inf, found_inf.device))
+            launch.pending.clamp_(max=found_inf)  # 0 or 1 stays 0 or 1; one op per step
 
 
 class SGD(_FusedSGD):
