@@ -128,12 +128,13 @@ def test_grad_scaler_steps_as_the_true_gradients():
             torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
 
 
-def test_a_large_grad_scale_keeps_the_step():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_grad_scale_keeps_the_step(dtype):
     """The gradient's norm is of the unscaled gradient: summed from the scaled one, its squares
     overflowed float at a scale of 2**63 (every scaled value finite), the trust ratio became 0
     and the step was dropped."""
     torch.manual_seed(0)
-    p0, g = torch.randn(1000), torch.randn(1000)
+    p0, g = torch.randn(1000).to(dtype), torch.randn(1000).to(dtype)
     steps = []
     for scale in (1.0, 2.0**63):
         p = p0.clone().requires_grad_()
@@ -141,6 +142,6 @@ def test_a_large_grad_scale_keeps_the_step():
         p.grad = g * scale  # a power of two: unscaled exactly
         optimizer.grad_scale, optimizer.found_inf = torch.tensor(scale), torch.tensor(0.0)
         optimizer.step()
-        steps.append(p0 - p.detach())
+        steps.append(p0.float() - p.detach().float())
     assert steps[0].abs().max() > 0
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-6, atol=0)

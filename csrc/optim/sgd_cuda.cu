@@ -84,12 +84,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor)
     chunk_sum_squares_kernel(const __grid_constant__ LaunchArgs args) {
   __shared__ float shared[kThreads / 32];
   if (skip_step(args)) return;
+  const float unscale = inverse_grad_scale(args);
   for (int64_t c = blockIdx.x; c < args.chunk_offset[args.n_tensors]; c += gridDim.x) {
     const Chunk chunk = chunk_at(args, c);
     if (args.groups[args.group[chunk.tensor]].trust_coefficient == 0.f) continue;
     const T* param = static_cast<const T*>(args.param[chunk.tensor]);
     const T* grad = static_cast<const T*>(args.grad[chunk.tensor]);
-    const float unscale = inverse_grad_scale(args);
     float pp = 0.f, gg = 0.f;
     for_each_pack(chunk, args.packed[chunk.tensor], [&](int64_t i, auto width) {
       constexpr int N = decltype(width)::value;

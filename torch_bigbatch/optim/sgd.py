@@ -200,8 +200,9 @@ class _LaunchPlan:
 
 def _skipped(found_inf, device):
     """A new float32 flag on `device`: 1 where GradScaler skips this step, else 0. GradScaler's
-    found_inf sums its devices' flags (2 where two found infs): a pending flag multiplied by
-    such sums would grow to inf over skipped steps, and inf * 0 is NaN, pending forever."""
+    found_inf sums its devices' flags (2 where two found infs); a pending flag kept at 0 or 1
+    (_track_pending clamps it) cannot grow to inf over skipped steps, whose product with 0 was
+    NaN: pending for ever."""
     return found_inf.ne(0).to(device=device, dtype=torch.float32)
 
 
@@ -297,7 +298,7 @@ class _FusedSGD(Optimizer):
                 launch.states = [self.state[p] for p in launch.params]
                 launch.buffers = [torch.zeros_like(p) for p in launch.params]
                 if found_inf is not None:  # this first step may be skipped on the device
-                    launch.pending = _skipped(found_inf, launch.params[0].device)
+                    launch.pending = _skipped(found_inf, launch.device)
         return plan.launches
 
     def _buffers_follow_their_parameters(self, params, buffers):
@@ -369,7 +370,7 @@ class _FusedSGD(Optimizer):
         # that ran before it have stepped).
         try:
             for launch in launches:
-                device = launch.params[0].device
+                device = launch.device
                 device_found_inf = None if found_inf is None else found_inf.to(device)
                 launch.run(
                     self.param_groups,
