@@ -129,6 +129,33 @@ def test_rows_spanning_nodes():
     assert alpha_beta.torus_time(ABCI, 16, n, columns=8) == pytest.approx(2 * row + column)
 
 
+def test_one_shot_by_hand():
+    """The one-shot form: X - 1 steps of the whole buffer along the row, then Y - 1 along the
+    column (on ABCI's 4 x 4: NVLink, then the node's NICs shared by its 4 columns)."""
+    n = 256 << 10
+    assert alpha_beta.one_shot_time(uniform(16, 1e-5, 1e9), 16, n, columns=4) == \
+        pytest.approx(6 * (1e-5 + n / 1e9))
+    row = 3 * (5e-6 + n / 50e9)
+    column = 3 * (10e-6 + n / (25e9 / 4))
+    assert alpha_beta.one_shot_time(ABCI, 16, n) == pytest.approx(row + column)
+
+
+def test_a_torus_on_part_of_one_node():
+    """6 of a node's 8 GPUs: any row length dividing 6, every link NVLink (it was refused,
+    where the ring, the tree and the hierarchy computed)."""
+    dgx = alpha_beta.PRESETS["dgx-h100"]
+    n = 1e8
+    step = (3e-6 + n / 6 / 360e9)
+    assert alpha_beta.torus_time(dgx, 6, n) == pytest.approx(2 * 5 * step)  # 6 x 1: a ring
+    row = 2 * (3e-6 + n / 3 / 360e9)
+    column = 2 * 1 * (3e-6 + n / 3 / 2 / 360e9)
+    assert alpha_beta.torus_time(dgx, 6, n, columns=3) == pytest.approx(2 * row + column)
+    assert alpha_beta.best_columns(dgx, 6, n) in (1, 2, 3, 6)
+    assert alpha_beta.allreduce_time("pipelined", dgx, 6, n) > 0
+    with pytest.raises(ValueError, match="torus row"):
+        alpha_beta.torus_time(dgx, 6, n, columns=4)
+
+
 def test_pipelining():
     n = 64 << 20
     hardware = uniform(16, 0.0, 1e9)
@@ -180,6 +207,15 @@ def test_bad_rank_counts():
         alpha_beta.allreduce_time("butterfly", ABCI, 16)
 
 
+def forced_torus_time(hardware, ranks, nbytes, columns):
+    """What the forced torus runs on CPU tensors: one shot up to 256 KiB, else its four phases
+    in segments of 2 MiB per rank, 8 to 16 MiB."""
+    if nbytes <= 256 << 10:
+        return alpha_beta.one_shot_time(hardware, ranks, nbytes, columns)
+    segment_bytes = min(max(ranks * (2 << 20), 8 << 20), 16 << 20)
+    return alpha_beta.pipelined_time(hardware, ranks, nbytes, columns, segment_bytes)
+
+
 def synthetic_rows(alpha, beta, cores):
     """bench_allreduce rows that follow the model exactly."""
     rows = []
@@ -188,7 +224,7 @@ def synthetic_rows(alpha, beta, cores):
         for nbytes in (4096, 1 << 20, 64 << 20):
             for backend in ("gloo", "torus"):
                 seconds = alpha_beta.ring_time(hardware, ranks, nbytes) if backend == "gloo" \
-                    else alpha_beta.pipelined_time(hardware, ranks, nbytes, columns)
+                    else forced_torus_time(hardware, ranks, nbytes, columns)
                 rows.append({"shape": f"{columns}x{ranks // columns}", "ranks": ranks,
                              "bytes": nbytes, "backend": backend, "ms": seconds * 1e3})
     return rows
@@ -203,6 +239,23 @@ def test_fit_recovers_alpha_and_beta(cores):
     assert beta == pytest.approx(1e-9, rel=1e-9)
     with pytest.raises(ValueError, match="two sizes"):
         calibration.fit_alpha_beta(rows[:1], cores)
+
+
+def test_fit_keeps_alpha_and_beta_positive():
+    """Noise in the small sizes fitted a negative latency (or bandwidth) and printed it; now
+    alpha stays at 0 or above, and times that do not grow with the bytes are refused."""
+    def row(nbytes, ms):
+        return {"ranks": 2, "bytes": nbytes, "seconds": ms / 1e3}
+    # 1 MB in 1 ms and 10 MB in 11 ms: a line through them crosses 0 below 0 bytes
+    alpha, beta = calibration.fit_alpha_beta([row(1e6, 1.0), row(1e7, 11.0)])
+    assert alpha == 0
+    # least squares of the relative error with alpha = 0: beta = sum(b/t) / sum((b/t)^2)
+    ratios = [2 * 1 / 2 * 1e6 / 1e-3, 2 * 1 / 2 * 1e7 / 11e-3]
+    assert beta == pytest.approx(sum(ratios) / sum(r * r for r in ratios))
+    with pytest.raises(ValueError, match="do not grow with the bytes"):
+        calibration.fit_alpha_beta([row(4096, 1.0), row(65536, 0.9)])
+    with pytest.raises(ValueError, match="above 0, got -0.001 s"):
+        calibration.fit_alpha_beta([row(4096, 1.0), row(65536, -1.0)])
 
 
 def test_command_line(tmp_path, capsys):
@@ -246,6 +299,29 @@ def test_command_line_errors_are_usage_errors(arguments, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*arguments, "--plot", ""])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("contents, arguments, message", [
+    (None, [], "--calibrate {path}: [Errno 2] No such file"),  # were tracebacks, printed
+    ("shape,ranks,bytes,backend\n2x2,4,4096,gloo\n", [],  # after the whole projection
+     "--calibrate {path}: not a CSV of benchmarks/bench_allreduce.py: no column ms"),
+    ("shape,ranks,bytes,backend,ms\n2x2,4,4096,gloo,0\n2x2,4,65536,gloo,1\n", [],
+     "--calibrate {path}: a measured time must be above 0, got 0.0 s"),
+    ("shape,ranks,bytes,backend,ms\n2x2,4,4096,gloo,1\n", [],
+     "--calibrate {path}: fitting alpha and beta needs rows of at least two sizes"),
+    ("", ["--compute-ms", "-5"], "--compute-ms must be 0 or more, got -5.0"),  # was nan%
+    ("", ["--cores", "0"], "--cores must be at least 1, got 0"),  # was one core per rank
+])
+def test_bad_calibration_input_is_a_usage_error_before_any_output(
+        tmp_path, contents, arguments, message, capsys):
+    path = tmp_path / "allreduce.csv"
+    if contents is not None:
+        path.write_text(contents)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--calibrate", str(path), *arguments, "--plot", ""])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and message.format(path=path) in captured.err
+    assert captured.out == ""
 
 def test_python_dash_m_entry_point():
     result = subprocess.run(

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .._checks import is_int
-from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES
+from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES, cpu_segment_bytes
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
 ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
@@ -41,18 +41,6 @@ atexit.register(_C.torus_threads_wait_until_idle, 5.0)
 ALGORITHMS = ("auto", "torus", "flat")
 CUDA_ENGINES = ("nccl", "gloo")
 
-
-def cpu_segment_bytes(group_size):
-    """The default segment of CPU tensors in a group of `group_size` ranks: 2 MiB per rank, from
-    8 to 16 MiB. A larger group cuts a segment into more, smaller messages, and on one host the
-    per-message work (the loopback's transmit path, event-loop wake-ups) is what the torus
-    spends beyond Gloo. Measured, 8 against 16 MiB segments taking turns in one run (forced
-    torus / Gloo at 16 and 64 MiB, 7 rounds, three runs on this 2-core machine): with 8 or 16
-    ranks 16 MiB was ahead or level in every cell, in time and CPU time (4x4: 0.80-0.88x and
-    1.00-1.05x against 0.89-0.94x and 1.10-1.13x, CPU 1.10-1.21 against 1.02-1.08 at 16 MiB;
-    8x1: 0.99x against 1.10-1.14x); with 4 ranks neither led on one host (2x2), and 8 MiB led
-    across two emulated nodes of two (1.17 and 1.31x against 1.11 and 1.09x)."""
-    return min(max(group_size * (2 << 20), 8 << 20), 16 << 20)
 
 
 # The other segment sizes that "auto" tries, each where it cuts a buffer into another number of

@@ -31,8 +31,22 @@ import math
 
 RESNET50_PARAMETERS = 25_557_032  # torchvision's resnet50 (a test counts bb.models.resnet50())
 RESNET50_GRADIENT_BYTES = 4 * RESNET50_PARAMETERS  # fp32 gradients: 102.2 MB
-# The torus backend's default segment (TorusOptions.segment_bytes; a test checks they agree).
+# The torus backend's default segments, kept here so that the model runs without torch:
+# DEFAULT_SEGMENT_BYTES for CUDA tensors (TorusOptions.segment_bytes; a test checks they agree).
 DEFAULT_SEGMENT_BYTES = 16 << 20
+
+
+def cpu_segment_bytes(group_size):
+    """The torus backend's default segment of CPU tensors in a group of `group_size` ranks: 2 MiB per rank, from
+    8 to 16 MiB. A larger group cuts a segment into more, smaller messages, and on one host the
+    per-message work (the loopback's transmit path, event-loop wake-ups) is what the torus
+    spends beyond Gloo. Measured, 8 against 16 MiB segments taking turns in one run (forced
+    torus / Gloo at 16 and 64 MiB, 7 rounds, three runs on this 2-core machine): with 8 or 16
+    ranks 16 MiB was ahead or level in every cell, in time and CPU time (4x4: 0.80-0.88x and
+    1.00-1.05x against 0.89-0.94x and 1.10-1.13x, CPU 1.10-1.21 against 1.02-1.08 at 16 MiB;
+    8x1: 0.99x against 1.10-1.14x); with 4 ranks neither led on one host (2x2), and 8 MiB led
+    across two emulated nodes of two (1.17 and 1.31x against 1.11 and 1.09x)."""
+    return min(max(group_size * (2 << 20), 8 << 20), 16 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,27 +168,40 @@ def hierarchical_time(hardware, ranks, nbytes):
     return in_node + leaders
 
 
-def torus_phases(hardware, ranks, nbytes, columns=None):
-    """(row reduce-scatter, column allreduce, row allgather) seconds of the X x Y torus, X =
-    `columns` (default: the GPUs of a node). X must divide a node or be whole nodes."""
+def torus_links(hardware, ranks, columns=None):
+    """(X, Y, the rows' (alpha, bandwidth), the columns' (alpha, bandwidth)) of the X x Y torus,
+    X = `columns` (default: the GPUs of a node). On one node any X dividing the ranks; across
+    nodes X must divide a node or be whole nodes."""
     check_ranks(hardware, ranks)
     columns = columns or min(ranks, hardware.gpus_per_node)
     node = hardware.gpus_per_node
-    if ranks % columns or not (node % columns == 0 or columns % node == 0):
-        raise ValueError(f"a torus row of {columns} must divide {ranks} ranks and divide or "
-                         f"be whole nodes of {node}")
-    rows = ranks // columns
+    one_node = ranks <= node
+    if ranks % columns or not (one_node or node % columns == 0 or columns % node == 0):
+        raise ValueError(f"a torus row of {columns} must divide {ranks} ranks and, across "
+                         f"nodes, divide or be whole nodes of {node}")
+    intra = (hardware.intra_alpha, hardware.intra_bandwidth)
     if columns <= node:  # a row inside a node; the node's `columns` columns share its NICs
-        row = (hardware.intra_alpha, hardware.intra_bandwidth)
-        column_crosses = rows > node // columns
-        column_flows = columns
+        row, column_flows = intra, columns
     else:  # a row over several nodes: one flow per node; every column leaves the node
-        row = (hardware.inter_alpha, hardware.flow_bandwidth(1))
-        column_crosses, column_flows = True, node
-    column = (hardware.inter_alpha, hardware.flow_bandwidth(column_flows)) if column_crosses \
-        else (hardware.intra_alpha, hardware.intra_bandwidth)
+        row, column_flows = (hardware.inter_alpha, hardware.flow_bandwidth(1)), node
+    column = intra if one_node else (hardware.inter_alpha, hardware.flow_bandwidth(column_flows))
+    return columns, ranks // columns, row, column
+
+
+def torus_phases(hardware, ranks, nbytes, columns=None):
+    """(row reduce-scatter, column allreduce, row allgather) seconds of the X x Y torus."""
+    columns, rows, row, column = torus_links(hardware, ranks, columns)
     scatter = ring_phase(columns, nbytes, *row)
     return scatter, ring_allreduce(rows, nbytes / columns, *column), scatter
+
+
+def one_shot_time(hardware, ranks, nbytes, columns=None):
+    """The torus backend's one-shot form (CPU buffers up to 256 KiB): an allgather of every
+    member's whole buffer along the row, each member sums them, then an allgather of the row's
+    sums along the column: X - 1 + Y - 1 steps (half the four phases' steps), each of the
+    whole buffer."""
+    columns, rows, row, column = torus_links(hardware, ranks, columns)
+    return ring_phase(columns, columns * nbytes, *row) + ring_phase(rows, rows * nbytes, *column)
 
 
 def torus_time(hardware, ranks, nbytes, columns=None):
@@ -210,7 +237,7 @@ def best_columns(hardware, ranks, nbytes):
     wider rows cut the column's steps, at the price of rows that leave the node."""
     node = hardware.gpus_per_node
     choices = [x for x in range(1, ranks + 1)
-               if ranks % x == 0 and (node % x == 0 or x % node == 0)]
+               if ranks % x == 0 and (ranks <= node or node % x == 0 or x % node == 0)]
     return min(choices, key=lambda x: torus_time(hardware, ranks, nbytes, x))
 
 

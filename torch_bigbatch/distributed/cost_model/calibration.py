@@ -3,7 +3,9 @@ setting model and measurement side by side."""
 
 import csv
 
-from .alpha_beta import DEFAULT_SEGMENT_BYTES, Hardware, pipelined_time, ring_time
+from ... import _C
+from .alpha_beta import (DEFAULT_SEGMENT_BYTES, Hardware, cpu_segment_bytes, one_shot_time,
+                         pipelined_time, ring_time)
 
 
 def oversubscription(ranks, cores):
@@ -14,18 +16,28 @@ def oversubscription(ranks, cores):
 def fit_alpha_beta(rows, cores=None):
     """(alpha, beta) of the ring model 2(p-1) alpha + 2(p-1)/p nbytes beta s fitted to rows of
     {"ranks", "bytes", "seconds"}, s the ranks per core (1 without `cores`): least squares on
-    the relative error, as the sizes span orders of magnitude."""
+    the relative error, as the sizes span orders of magnitude, with alpha kept at 0 or above
+    (a latency below 0 is noise in the small sizes: beta is then fitted alone)."""
     # Weighted normal equations of t = a * alpha + b * beta, weight 1 / t.
     saa = sab = sbb = sat = sbt = 0.0
     for row in rows:
         ranks, nbytes, seconds = int(row["ranks"]), float(row["bytes"]), float(row["seconds"])
+        if not seconds > 0:
+            raise ValueError(f"a measured time must be above 0, got {seconds} s for {ranks} ranks "
+                             f"and {nbytes:g} bytes")
         a = 2 * (ranks - 1) / seconds
         b = 2 * (ranks - 1) / ranks * nbytes * oversubscription(ranks, cores) / seconds
         saa, sab, sbb, sat, sbt = saa + a * a, sab + a * b, sbb + b * b, sat + a, sbt + b
     determinant = saa * sbb - sab * sab
     if len(rows) < 2 or determinant <= 1e-12 * saa * sbb:
         raise ValueError("fitting alpha and beta needs rows of at least two sizes")
-    return (sat * sbb - sbt * sab) / determinant, (saa * sbt - sab * sat) / determinant
+    alpha, beta = (sat * sbb - sbt * sab) / determinant, (saa * sbt - sab * sat) / determinant
+    if alpha < 0:
+        alpha, beta = 0.0, sbt / sbb
+    if not beta > 0:
+        raise ValueError(f"the times do not grow with the bytes (beta fitted as {beta:.3g} s per "
+                         f"byte): measure sizes far enough apart")
+    return alpha, beta
 
 
 def loopback(alpha, beta, ranks, cores=None):
@@ -37,17 +49,37 @@ def loopback(alpha, beta, ranks, cores=None):
                     overlap=False)
 
 
+COLUMNS = ("shape", "ranks", "bytes", "backend", "ms")
+
+
 def read_bench_allreduce(path):
     """benchmarks/bench_allreduce.py's CSV as rows with seconds."""
     with open(path, newline="") as file:
-        return [{**row, "seconds": float(row["ms"]) / 1e3} for row in csv.DictReader(file)]
+        reader = csv.DictReader(file)
+        missing = [name for name in COLUMNS if name not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"not a CSV of benchmarks/bench_allreduce.py: no column "
+                             f"{', '.join(missing)}")
+        return [{**row, "seconds": float(row["ms"]) / 1e3} for row in reader]
 
 
-def calibrate(path, cores=None, segment_bytes=DEFAULT_SEGMENT_BYTES):
+def torus_model(hardware, row):
+    """What the forced torus of bench_allreduce.py ran for this row: its one-shot form on CPU
+    buffers up to _C.torus_one_shot_max_bytes, else its four phases in the default segments of
+    the row's device and group size."""
+    ranks, nbytes = int(row["ranks"]), int(row["bytes"])
+    columns = int(row["shape"].split("x")[0])
+    cpu = row.get("device", "cpu") == "cpu"
+    if cpu and nbytes <= _C.torus_one_shot_max_bytes:
+        return one_shot_time(hardware, ranks, nbytes, columns)
+    segment_bytes = cpu_segment_bytes(ranks) if cpu else DEFAULT_SEGMENT_BYTES
+    return pipelined_time(hardware, ranks, nbytes, columns, segment_bytes)
+
+
+def calibrate(path, cores=None):
     """Fits alpha and beta to the Gloo rows measured on a machine of `cores` cores; returns
-    them and rows with model and measurement of Gloo (a ring) and of the torus (pipelined, at
-    the measured shape and the backend's default segment). Rows of "auto" are left out: each
-    ran whichever its trials chose, which the CSV does not say."""
+    them and rows with model and measurement of Gloo (a ring) and of the forced torus (as
+    torus_model says it ran). Rows of "auto" are left out: each ran one of the other two."""
     rows = read_bench_allreduce(path)
     alpha, beta = fit_alpha_beta([row for row in rows if row["backend"] == "gloo"], cores)
     table = []
@@ -56,11 +88,8 @@ def calibrate(path, cores=None, segment_bytes=DEFAULT_SEGMENT_BYTES):
             continue
         ranks, nbytes = int(row["ranks"]), int(row["bytes"])
         hardware = loopback(alpha, beta, ranks, cores)
-        if row["backend"] == "gloo":
-            model = ring_time(hardware, ranks, nbytes)
-        else:
-            columns = int(row["shape"].split("x")[0])
-            model = pipelined_time(hardware, ranks, nbytes, columns, segment_bytes)
+        model = ring_time(hardware, ranks, nbytes) if row["backend"] == "gloo" \
+            else torus_model(hardware, row)
         table.append({"shape": row["shape"], "ranks": ranks, "bytes": nbytes,
                       "backend": row["backend"], "measured_ms": row["seconds"] * 1e3,
                       "model_ms": model * 1e3})

@@ -90,6 +90,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.bytes <= 0:
         parser.error(f"--bytes must be positive, got {args.bytes}")
+    if args.compute_ms is not None and not args.compute_ms >= 0:
+        parser.error(f"--compute-ms must be 0 or more, got {args.compute_ms}")
+    if args.cores is not None and args.cores < 1:
+        parser.error(f"--cores must be at least 1, got {args.cores}")
+    calibration = None
+    if args.calibrate:  # before the projection: a bad file ends the run before any output
+        try:
+            calibration = calibrate(args.calibrate, args.cores)
+        except (OSError, ValueError) as error:
+            parser.error(f"--calibrate {args.calibrate}: {error}")
     projections = []
     for name in args.hardware:
         hardware = PRESETS[name]
@@ -100,7 +110,6 @@ def main(argv=None):
             parser.error(f"--gpus: {error}")
         print_projection(hardware, rows, args.bytes, compute_ms)
         projections.append((hardware, rows))
-    calibration = calibrate(args.calibrate, args.cores) if args.calibrate else None
     if calibration:
         print_calibration(*calibration)
     if args.csv:
