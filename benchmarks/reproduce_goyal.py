@@ -104,6 +104,15 @@ def save_atomically(path, save):
     os.replace(temporary, path)
 
 
+def initial_model(recipe, seed):
+    """The small ResNet as the recipe builds it (its BatchNorm groups, zero-gamma and fc
+    initialization), from the same weights in every run of a seed."""
+    torch.manual_seed(seed)
+    model = resnet_small(bn_group_size=recipe.bn_group_size,
+                         zero_init_residual=recipe.zero_init_residual)
+    return recipe.init_fc(model)
+
+
 def train_run(variant, k, settings, state_dir, stop_after_epochs=None):
     """Trains one run, resuming from its checkpoint; returns its result, or None when it
     stopped after `stop_after_epochs` epochs of this call with epochs left to do."""
@@ -112,9 +121,7 @@ def train_run(variant, k, settings, state_dir, stop_after_epochs=None):
     images, labels = dataset("train", settings.train_size)
     batch = WORKER_BATCH * k
     iterations = len(labels) // batch  # drop_last, as the DistributedBatchSampler does
-    torch.manual_seed(settings.seed)  # the same initial weights in every run
-    model = resnet_small(bn_group_size=recipe.bn_group_size,
-                         zero_init_residual=recipe.zero_init_residual)
+    model = initial_model(recipe, settings.seed)
     optimizer = recipe.build_optimizer(model, world_size=k)
     scheduler = recipe.build_scheduler(optimizer, iterations, world_size=k)
     criterion = recipe.criterion()
@@ -128,7 +135,7 @@ def train_run(variant, k, settings, state_dir, stop_after_epochs=None):
     segments = torch.arange(iterations).tensor_split(min(settings.points, iterations))
     first_epoch = state["epoch"]
     for epoch in range(first_epoch, settings.epochs):
-        if stop_after_epochs is not None and epoch - first_epoch >= stop_after_epochs:
+        if stop_after_epochs and epoch - first_epoch >= stop_after_epochs:
             return None
         start = time.perf_counter()
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(
@@ -295,7 +302,7 @@ def get_args_parser():
     parser.add_argument("--output", help="default runs/reproduce_goyal[_quick]")
     parser.add_argument("--stop-after-epochs", type=int,
                         help="each run stops after this many epochs of this call (to be "
-                             "resumed by the same command)")
+                             "resumed by the same command; 0: no limit)")
     return parser
 
 
@@ -310,6 +317,9 @@ def settings_from(args):
         raise SystemExit(f"--train-size must hold a batch of the largest k ({WORKER_BATCH} x "
                          f"{ks[-1]} = {WORKER_BATCH * ks[-1]}) and at most 60000 images, got "
                          f"{train_size or 60000}")
+    if args.stop_after_epochs is not None and args.stop_after_epochs < 0:
+        raise SystemExit(f"--stop-after-epochs must be 0 (no limit) or more, got "
+                         f"{args.stop_after_epochs}")
     if args.test_size is not None and not 1 <= args.test_size <= 10000:
         raise SystemExit(f"--test-size must be in [1, 10000], got {args.test_size}")
     return Settings(epochs, train_size, args.test_size, args.seed, args.points), ks

@@ -80,6 +80,21 @@ def test_variant_schedules():
         reproduce_goyal.variant_recipe("linear", 2, 5)
 
 
+def test_runs_start_from_the_recipes_initialization():
+    """goyal2017's fc from N(0, 0.01) with a zero bias (it kept torch's default init), zero-gamma
+    in each block's last BatchNorm, the same weights in every run of a seed."""
+    recipe = reproduce_goyal.variant_recipe("gradual", 4, 5)
+    model = reproduce_goyal.initial_model(recipe, seed=0)
+    assert recipe.fc_init_std == 0.01
+    assert abs(model.fc.weight.std().item() - 0.01) < 0.002
+    assert torch.count_nonzero(model.fc.bias) == 0
+    last_norms = [block.bn2 for block in model.modules() if hasattr(block, "bn2")]
+    assert last_norms and all(torch.count_nonzero(norm.weight) == 0 for norm in last_norms)
+    again = reproduce_goyal.initial_model(reproduce_goyal.variant_recipe("no-scaling", 4, 5), 0)
+    for mine, other in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(mine, other)
+
+
 def run(output, *extra):
     command = [sys.executable, str(SCRIPT), "--ks", "1", "2", "--variants", "gradual",
                "no-scaling", "--epochs", "2", "--train-size", "256", "--test-size", "500",
@@ -96,7 +111,7 @@ def read(path):
 
 @pytest.mark.slow
 def test_small_run_resumes_to_the_same_numbers(tmp_path):
-    straight = run(tmp_path / "straight")
+    straight = run(tmp_path / "straight", "--stop-after-epochs", "0")  # 0: no limit
     assert straight.returncode == 0, straight.stderr
     first = run(tmp_path / "resumed", "--stop-after-epochs", "1")
     assert first.returncode == 0, first.stderr
@@ -140,3 +155,5 @@ def test_small_run_resumes_to_the_same_numbers(tmp_path):
 def test_bad_arguments(tmp_path):
     result = run(tmp_path, "--train-size", "32")
     assert result.returncode != 0 and "--train-size" in result.stderr
+    result = run(tmp_path, "--stop-after-epochs", "-1")  # stopped every run before it began
+    assert result.returncode != 0 and "--stop-after-epochs must be 0" in result.stderr
