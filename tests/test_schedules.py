@@ -131,6 +131,20 @@ def test_boundaries_on_an_iteration_take_effect_at_that_iteration():
     assert lrs(scheduler, 8) == pytest.approx([0.5] * 6 + [1.0] * 2)
 
 
+def test_a_batch_growth_after_the_last_epoch_takes_one_int_per_epoch():
+    """A growth step past `epochs` changes no epoch's batch: one int of iterations is enough
+    (it was refused as a changing batch size), and the LR is the constant batch's."""
+    grown_late = LargeBatchLR(optimizer(1.0), 10, 5, warmup="none", decay="none",
+                              batch_size_schedule={0: 32, 30: 64})
+    assert grown_late.epoch_starts == [0, 10, 20, 30, 40, 50]
+    rates = []
+    for _ in range(50):
+        rates.append(grown_late.get_last_lr()[0])
+        grown_late.optimizer.step()
+        grown_late.step()
+    assert rates == [1.0] * 50
+
+
 def test_bad_arguments():
     for epochs in (0, -3, 2.5):
         with pytest.raises(ValueError, match="epochs must be a positive int"):
@@ -159,6 +173,11 @@ def test_bad_arguments():
             BatchSizeSchedule({0: 256, 30: 512})(epoch)
     with pytest.raises(ValueError, match="warmup_epochs"):
         LargeBatchLR(optimizer(1.0), 10, 5, warmup_epochs=6)
+    with pytest.raises(ValueError, match="warmup_epochs must be a number, got None"):
+        LargeBatchLR(optimizer(1.0), 10, 5, warmup_epochs=None)  # was a bare TypeError
+    for schedule in ([64], (64,), 64.0, "64"):  # were AttributeErrors ('list' has no 'sizes')
+        with pytest.raises(ValueError, match="batch sizes must be an int or a dict"):
+            LargeBatchLR(optimizer(1.0), 10, 5, batch_size_schedule=schedule)
     with pytest.raises(ValueError, match="epoch 0"):
         BatchSizeSchedule({1: 64})
     with pytest.raises(ValueError, match="multiple of the world size"):

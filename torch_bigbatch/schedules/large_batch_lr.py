@@ -2,6 +2,7 @@
 
 import bisect
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -48,14 +49,20 @@ class LargeBatchLR(LRScheduler):
             raise ValueError(f"warmup must be one of {WARMUPS}, got {warmup!r}")
         if decay not in DECAYS:
             raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
-        if isinstance(batch_size_schedule, (dict, int)):  # as DistributedBatchSampler takes it
+        if batch_size_schedule is not None and \
+                not isinstance(batch_size_schedule, BatchSizeSchedule):
+            # a dict or an int, as DistributedBatchSampler takes it (refused by name otherwise)
             batch_size_schedule = BatchSizeSchedule(batch_size_schedule)
+        if not isinstance(warmup_epochs, numbers.Real):
+            raise ValueError(f"warmup_epochs must be a number, got {warmup_epochs!r}")
         milestones = tuple(milestones)  # an iterator would be used up by the checks below
         if warmup == "constant" and warmup_epochs > 0 and warmup_start_factor == 0:
             raise ValueError("a constant warmup at warmup_start_factor=0 trains at LR 0 for "
                              f"{warmup_epochs} epochs: give the factor (Goyal et al.: 256 / batch)")
         if isinstance(iterations_per_epoch, int):
-            if batch_size_schedule is not None and len(set(batch_size_schedule.sizes)) > 1:
+            # (a growth step after the last epoch changes nothing)
+            if batch_size_schedule is not None and \
+                    len({batch_size_schedule(epoch) for epoch in range(epochs)}) > 1:
                 raise ValueError("iterations_per_epoch must be one int per epoch when the batch "
                                  f"size changes ({batch_size_schedule}), got one int")
             iterations_per_epoch = [iterations_per_epoch] * epochs
