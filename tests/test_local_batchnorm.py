@@ -144,20 +144,32 @@ def test_cumulative_moving_average(device):
 
 
 @pytest.mark.parametrize("momentum", [None, 0.1])
-def test_checkpointed_steps_move_the_running_statistics_as_plain_ones(momentum):
-    """torch.utils.checkpoint (use_reentrant=False) stops its recomputation inside the op: the
-    batch was counted again there, the statistics not moved again: momentum=None's average
-    divided by twice the batches seen, and a float momentum counted 8 batches for 4 moves."""
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("after", ["nothing", "relu", "conv"])
+def test_checkpointed_steps_move_the_running_statistics_as_plain_ones(momentum, use_reentrant,
+                                                                       after):
+    """Under torch.utils.checkpoint the recomputation in backward neither moves the running
+    statistics nor counts the batch again, wherever the layer sits in the segment. Before: with
+    the BatchNorm last and use_reentrant=False the recomputation stopped inside the op (right);
+    with a layer after it that saves tensors (conv-bn-relu), or use_reentrant=True, the
+    statistics moved twice a step and the batch was counted twice (momentum=None's average
+    then weighed later batches by 1/7 instead of 1/4)."""
     torch.manual_seed(0)
-    plain = bb.nn.LocalBatchNorm2d(3, group_size=None, momentum=momentum)
+    layers = [torch.nn.Conv2d(3, 4, 1), bb.nn.LocalBatchNorm2d(4, group_size=4,
+                                                                momentum=momentum)]
+    layers += {"nothing": [], "relu": [torch.nn.ReLU()], "conv": [torch.nn.Conv2d(4, 4, 1)]}[after]
+    plain = torch.nn.Sequential(*layers)
     checkpointed = copy.deepcopy(plain)
     for step in range(4):
-        x = (torch.randn(8, 3, 4, 4) + step).requires_grad_()
+        x = (torch.randn(8, 3, 4, 4) * (step + 1) + step).requires_grad_()
         plain(x).sum().backward()
-        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=False).sum().backward()
-    assert checkpointed.num_batches_tracked.item() == plain.num_batches_tracked.item() == 4
-    torch.testing.assert_close(checkpointed.running_mean, plain.running_mean)
-    torch.testing.assert_close(checkpointed.running_var, plain.running_var)
+        torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=use_reentrant) \
+            .sum().backward()
+    assert checkpointed[1].num_batches_tracked.item() == plain[1].num_batches_tracked.item() == 4
+    torch.testing.assert_close(checkpointed[1].running_mean, plain[1].running_mean)
+    torch.testing.assert_close(checkpointed[1].running_var, plain[1].running_var)
+    for mine, expected in zip(checkpointed.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine.grad, expected.grad)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])

@@ -22,6 +22,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._checks import as_index
 
 
+def _recomputed_in_backward():
+    """Whether this forward runs inside a backward pass, as torch.utils.checkpoint's
+    recomputation does (reentrant or not) and a step's own forward does not. torch has no public
+    test for it; its checkpoint reads the same graph task id. Not while compiling: there the
+    compiled graph runs its own forward."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _checked_group_size(group_size):
     """group_size as an int (or None), or a ValueError."""
     if group_size is None:
@@ -152,19 +160,19 @@ class LocalBatchNorm(_BatchNorm):
         if input.shape[1] != self.num_features:
             raise ValueError(f"{type(self).__name__}({self.num_features}) got an input with "
                              f"{input.shape[1]} channels (size {tuple(input.shape)})")
-        # nn.BatchNorm's choices of statistics and momentum, unchanged; but the batch is
-        # counted after the statistics moved (nn.BatchNorm counts it first): a recomputation
-        # that torch.utils.checkpoint stops inside the op (use_reentrant=False) then does
-        # neither, where it counted the batch again without moving them (momentum=None's
-        # average came out wrong).
+        # nn.BatchNorm's choices of statistics and momentum, unchanged, but for checkpointing:
+        # a recomputation of the step's forward in its backward (torch.utils.checkpoint)
+        # normalizes as the forward did and neither moves the running statistics nor counts
+        # the batch again (nn.BatchNorm does both twice).
+        recomputed = self.training and self.track_running_stats and _recomputed_in_backward()
         factor = 0.0 if self.momentum is None else self.momentum
         counted = (self.training and self.track_running_stats
-                   and self.num_batches_tracked is not None)
+                   and self.num_batches_tracked is not None and not recomputed)
         if counted and self.momentum is None:
             factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         use_batch_statistics = self.training or (self.running_mean is None
                                                  and self.running_var is None)
-        keep_running = not self.training or self.track_running_stats
+        keep_running = (not self.training or self.track_running_stats) and not recomputed
         output = local_batch_norm(input, self.running_mean if keep_running else None,
                                   self.running_var if keep_running else None, self.weight,
                                   self.bias, use_batch_statistics, factor, self.eps,
