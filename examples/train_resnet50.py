@@ -63,17 +63,23 @@ def rank():
     return int(os.environ.get("RANK", 0))
 
 
+# How long a rank other than its node's first waits before it says why it refused.
+REFUSAL_GRACE_SECONDS = 5.0
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors the first rank of each node alone prints (exit code 2 on
-    every rank): the ranks of a node refuse alike, but a refusal may hold on one node only (its
-    data, its --output, the checkpoint there), and from a rank that stays silent no process
-    would say why the job ended. Without LOCAL_RANK (not started by torchrun) a rank is its
-    own node's first only as rank 0."""
+    """argparse's parser whose errors each node says once (exit code 2 on every rank): the
+    node's first rank at once, the others after REFUSAL_GRACE_SECONDS. The ranks of a node
+    refuse alike, and torchrun ends a node's workers as soon as one fails, so the first's
+    message is the node's; a rank whose refusal is its own (or comes first: a slower first
+    rank was ended before it printed, and nothing said why) still says it. A refusal may hold
+    on one node only (its data, its --output, the checkpoint there). Without LOCAL_RANK (not
+    started by torchrun) a rank is its own node's first only as rank 0."""
 
     def error(self, message):
-        if int(os.environ.get("LOCAL_RANK", rank())) == 0:
-            super().error(message if rank() == 0 else f"(rank {rank()}) {message}")
-        sys.exit(2)
+        if int(os.environ.get("LOCAL_RANK", rank())) != 0:
+            time.sleep(REFUSAL_GRACE_SECONDS)
+        super().error(message if rank() == 0 else f"(rank {rank()}) {message}")
 
 
 def checked(kind, valid, requirement):
@@ -120,7 +126,8 @@ def get_args_parser():
                         help="accumulate gradients over micro-batches of at most this size")
     parser.add_argument("--backend", choices=("torus", "gloo", "nccl"), default="torus")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even with CUDA")
-    parser.add_argument("--output", default="runs/train_resnet50", help="checkpoints, metrics")
+    parser.add_argument("--output", default="runs/train_resnet50", help="checkpoints, metrics",
+                        type=checked(str, bool, "must name a folder"))
     parser.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=500,
                         help="also checkpoint every N steps (0: only at epoch ends)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT's checkpoint")
@@ -147,8 +154,8 @@ def get_args_parser():
     parser.add_argument("--use-deterministic-algorithms", action="store_true",
                         help="only deterministic kernels (cuDNN's, cuBLAS's), slower on CUDA")
     parser.add_argument("--timeout", default=300,
-                        type=checked(float, lambda x: math.isfinite(x) and x > 0,
-                                     "must be a positive number of seconds"),
+                        type=checked(float, lambda x: 0 < x <= 1e9,  # a timedelta holds it
+                                     "must be a positive number of seconds, at most 1e9"),
                         help="collective timeout, seconds")
     return parser
 

@@ -41,8 +41,13 @@ def parse(args):
     (["--synthetic-size", "0"], "argument --synthetic-size: must be a positive integer, got 0"),
     (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**63), got -1"),
     (["--seed", str(2**63)], "argument --seed: must be an integer in [0, 2**63)"),
-    (["--timeout", "0"], "argument --timeout: must be a positive number of seconds, got 0"),
-    (["--timeout", "nan"], "argument --timeout: must be a positive number of seconds, got nan"),
+    (["--timeout", "0"], "argument --timeout: must be a positive number of seconds, at most "
+                         "1e9, got 0"),
+    (["--timeout", "nan"], "argument --timeout: must be a positive number of seconds, at most "
+                           "1e9, got nan"),
+    (["--timeout", "1e300"], "argument --timeout: must be a positive number of seconds, at most "
+                             "1e9, got 1e300"),  # an OverflowError once the arguments passed
+    (["--output", ""], "argument --output: must name a folder, got "),  # os.makedirs('') failed
     (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'"),
 ])
 def test_the_parser_refuses_bad_numbers(args, message, capsys):
@@ -52,12 +57,23 @@ def test_the_parser_refuses_bad_numbers(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_only_rank_0_prints_a_refusal(monkeypatch, capsys):
+def test_a_rank_other_than_its_nodes_first_refuses_after_a_grace(monkeypatch, capsys):
+    """Rank 3 (LOCAL_RANK 1) waits, then says why: it stayed silent, and under torchrun a node
+    whose first rank was slower to refuse ended without a word. The first rank of a node says
+    it at once."""
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit) as exit:
         parse(["--epochs", "0"])
-    assert exit.value.code == 2
-    assert capsys.readouterr().err == ""
+    assert exit.value.code == 2 and waits == [train.REFUSAL_GRACE_SECONDS] == [5.0]
+    assert "error: (rank 3) argument --epochs: must be a positive integer, got 0" \
+        in capsys.readouterr().err
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):
+        parse(["--epochs", "0"])
+    assert len(waits) == 1 and "error: (rank 3) argument --epochs" in capsys.readouterr().err
 
 
 def refusal(args, output):

@@ -101,15 +101,16 @@ def test_bad_arguments_end_with_one_clear_message(tmp_path):
     for args, message in cases:
         result = run_single(args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
-    # MLPerf's global batch of 3264 does not split across 5 ranks: rank 0 says so, the others
-    # leave quietly, all before a process group exists (one would wait for the 4 missing ranks
-    # until the 60 s timeout of run_single).
+    # MLPerf's global batch of 3264 does not split across 5 ranks: rank 0 says so at once, the
+    # others after a grace (torchrun would have ended them by then), all before a process group
+    # exists (one would wait for the 4 missing ranks until the 60 s timeout of run_single).
     args = [arg for arg in TINY if arg not in ("--batch-per-rank", "32")]
     args += ["--recipe", "mlperf_lars"]
     first = run_single(args, rank=0, world_size=5)
     other = run_single(args, rank=3, world_size=5)
     assert first.returncode == other.returncode == 2
-    assert "3264 does not split across 5 ranks" in first.stderr and other.stderr == ""
+    assert "error: the global batch 3264 does not split across 5 ranks" in first.stderr
+    assert "error: (rank 3) the global batch 3264 does not split across 5 ranks" in other.stderr
 
 
 def test_micro_batches_give_the_same_steps(tmp_path):
@@ -273,9 +274,11 @@ def test_one_plain_process_needs_no_port(tmp_path):
 
 def test_resuming_a_finished_run(tmp_path):
     """A finished run resumed says so and ends cleanly; resumed on other ranks, it is refused
-    by each node's first rank alone, before any process group (rank 0 alone would wait for rank
-    1 in one). A refusal may hold on one node only: rank 1, another node's first, printed
-    nothing, and rank 0 then failed with a rendezvous timeout that named no cause."""
+    by every rank, before any process group (rank 0 alone would wait for rank 1 in one): each
+    node's first at once, the others after a grace (they said nothing, and under torchrun a
+    node whose first rank was slower to refuse ended without a word). A refusal may hold on one
+    node only: rank 1, another node's first, printed nothing, and rank 0 then failed with a
+    rendezvous timeout that named no cause."""
     args = [*TINY, "--epochs", "1", "--output", str(tmp_path / "run")]
     assert run_single(args).returncode == 0
     os.remove(tmp_path / "run" / "metrics.csv")  # a stop after the last checkpoint
@@ -287,7 +290,7 @@ def test_resuming_a_finished_run(tmp_path):
     other = run_single([*args, "--resume"], rank=1, world_size=2)
     assert first.returncode == other.returncode == 2
     assert "was written with world size 1; this run has world size 2" in first.stderr
-    assert other.stderr == ""
+    assert "error: (rank 1) --resume: " in other.stderr  # after the grace; it said nothing
     first_of_its_node = run_single([*args, "--resume"], rank=1, world_size=2, LOCAL_RANK="0")
     assert first_of_its_node.returncode == 2
     assert "error: (rank 1) --resume: " in first_of_its_node.stderr
