@@ -409,6 +409,20 @@ def test_convert_refuses_a_lazy_batchnorm_not_yet_initialized():
     assert type(model[1]) is bb.nn.LocalBatchNorm2d
 
 
+def test_convert_refuses_a_parametrized_batchnorm():
+    """A parametrized weight is computed, no Parameter the copy can take over: it was a bare
+    TypeError ("cannot assign 'torch.FloatTensor' as parameter 'weight'")."""
+    class Positive(nn.Module):
+        def forward(self, weight):
+            return weight.abs()
+
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Positive())
+    with pytest.raises(ValueError, match="BatchNorm2d has parametrized weight; convert it before"):
+        bb.nn.convert_local_batchnorm(model)
+    assert type(model[1]) is not bb.nn.LocalBatchNorm2d  # left as it was
+
+
 def test_zero_init_last_bn():
     model = small_resnet()
     names = bb.nn.zero_init_last_bn(model)

@@ -3,6 +3,7 @@ al.'s zero-initialized last BatchNorm of each residual block."""
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from .local_batchnorm import (LocalBatchNorm, LocalBatchNorm1d, LocalBatchNorm2d, LocalBatchNorm3d,
                               _checked_group_size)
@@ -22,7 +23,7 @@ def convert_local_batchnorm(module, group_size=32):
     given as `module` itself is returned converted. A BatchNorm used in several places becomes
     one LocalBatchNorm used in all of them; a LocalBatchNorm already there takes `group_size`.
     A lazy BatchNorm not yet initialized is refused (run one forward first): left as it is, it
-    would become a plain BatchNorm at its first forward.
+    would become a plain BatchNorm at its first forward; so is one with a parametrization.
     """
     return _converted(module, _checked_group_size(group_size), {})
 
@@ -38,6 +39,11 @@ def _converted(module, group_size, done):
             and isinstance(module, _BatchNorm) and module.has_uninitialized_params():
         raise ValueError(f"convert_local_batchnorm: {type(module).__name__} has not seen an "
                          "input yet; run one forward through the model before converting it")
+    elif isinstance(module, _BatchNorm) and parametrize.is_parametrized(module):
+        # (its weight is computed: the copy could take over no Parameter; a TypeError was all)
+        raise ValueError(f"convert_local_batchnorm: {type(module).__name__} has parametrized "
+                         f"{', '.join(module.parametrizations)}; convert it before registering "
+                         "the parametrization")
     else:
         local = next((target for source, target in _LOCAL_OF if isinstance(module, source)),
                      None)
