@@ -32,15 +32,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Job arguments, steps, steps between progress lines, and the step from which the rate counts:
 # after "auto" has decided the buckets' classes (a CPU class: 5 trial calls per candidate, two
 # to four candidates, then 16 calls while the ranks agree: the demo's one 311 KB bucket per step
-# decides at its 27th call; ResNet-50 has four or five buckets per step).
+# decides at its 27th call; ResNet-50's buckets after DDP's rebuild: three of about 25 MiB, a
+# class of 3 calls a step, and one each of 4 and 9 MiB, classes of one call a step, the 16 MiB
+# one with four candidates at 4 ranks: its 37th call, so the rate counts from step 45).
 CASES = {
     "demo": (["--recipe", "goyal2017", "--dataset", "fashion-mnist", "--epochs", "5",
               "--batch-per-rank", "64"], 100, 10, 40),
     "resnet50": (["--recipe", "goyal2017", "--dataset", "synthetic", "--model", "resnet50",
-                  "--synthetic-size", "2048", "--epochs", "1", "--batch-per-rank", "8"], 30, 5,
-                 15),
+                  "--synthetic-size", "8192", "--epochs", "1", "--batch-per-rank", "8"], 70, 5,
+                 45),
 }
-PROGRESS = re.compile(r"step (\d+)/\d+ .* batch (\d+) (\d+) img/s")
+PROGRESS = re.compile(r"epoch (\d+)/\d+ step (\d+)/\d+ .* batch (\d+) ([\d.]+) img/s")
 # Rank 0's log line at the tuner's decision of a size class (csrc/torus/algorithm_tuner.cpp).
 DECISION = re.compile(r"torch_bigbatch torus \([^)]*\): \S+ allreduces (?:over \S+ \S+ )?"
                       r"up to (\S+ \S+) run (flat|torus \([^)]*\))")
@@ -49,12 +51,16 @@ CSV_FIELDS = ["case", "nodes", "rate", "processes", "backend", "images_per_secon
 
 
 def steady_rate(output, settled=0):
-    """Images per second between the first progress line from step `settled` on and the last.
-    Each line gives the epoch's rate so far, so the time at a line is step * batch / rate."""
-    lines = [tuple(map(int, match)) for match in PROGRESS.findall(output)]
-    lines = [line for line in lines if line[0] >= settled]
+    """Images per second between the first progress line of the first epoch from step
+    `settled` on and that epoch's last. Each line gives the epoch's rate so far (its steps and
+    its clock start again at the next epoch), so the time at a line is step * batch / rate."""
+    lines = [(int(epoch), int(step), int(batch), float(rate))
+             for epoch, step, batch, rate in PROGRESS.findall(output)]
+    lines = [line[1:] for line in lines if line[0] == 1 and line[1] >= settled]
     if len(lines) < 2:
-        raise RuntimeError(f"fewer than two progress lines in:\n{output[-3000:]}")
+        raise RuntimeError(f"fewer than two progress lines in the first epoch from step "
+                           f"{settled} on (more processes make shorter epochs) in:\n"
+                           f"{output[-3000:]}")
     (first, batch, first_rate), (last, _, last_rate) = lines[0], lines[-1]
     seconds = last * batch / last_rate - first * batch / first_rate
     return (last - first) * batch / seconds

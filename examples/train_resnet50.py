@@ -592,7 +592,7 @@ def train_one_epoch(model, criterion, optimizer, scheduler, loader, epoch, epoch
             left = images_left(setup.iterations, schedule, epoch, step + 1)
             print(f"epoch {epoch + 1}/{len(setup.iterations)} step {step + 1}/{steps} "
                   f"loss {loss.item():.4f} lr {lr:.4g} batch {schedule(epoch)} "
-                  f"{rate:.0f} img/s ETA {format_seconds(left / rate)}", flush=True)
+                  f"{rate:.1f} img/s ETA {format_seconds(left / rate)}", flush=True)
         stopping = span.stop_after_step()
         # At the epoch's last step, the epoch-end checkpoints (before and after evaluation) do.
         if not last and (stopping or args.checkpoint_every
