@@ -323,6 +323,7 @@ def test_bad_calibration_input_is_a_usage_error_before_any_output(
     assert exit_info.value.code == 2 and message.format(path=path) in captured.err
     assert captured.out == ""
 
+
 def test_python_dash_m_entry_point():
     result = subprocess.run(
         [sys.executable, "-m", "torch_bigbatch.distributed.cost_model", "--hardware",

@@ -401,12 +401,13 @@ def test_convert_sets_the_group_size_of_layers_already_local():
 
 
 def test_convert_refuses_a_lazy_batchnorm_not_yet_initialized():
-    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.LazyBatchNorm2d())
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1), nn.LazyBatchNorm2d())
     with pytest.raises(ValueError, match="LazyBatchNorm2d has not seen an input"):
         bb.nn.convert_local_batchnorm(model)  # it became a plain BatchNorm2d at its first forward
+    assert type(model[0]) is nn.BatchNorm2d  # nothing converted (the first one was)
     model(torch.randn(4, 3, 2, 2))
     bb.nn.convert_local_batchnorm(model, group_size=2)
-    assert type(model[1]) is bb.nn.LocalBatchNorm2d
+    assert type(model[0]) is type(model[2]) is bb.nn.LocalBatchNorm2d
 
 
 def test_convert_refuses_a_parametrized_batchnorm():
@@ -416,11 +417,16 @@ def test_convert_refuses_a_parametrized_batchnorm():
         def forward(self, weight):
             return weight.abs()
 
-    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
-    torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Positive())
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", Positive())
     with pytest.raises(ValueError, match="BatchNorm2d has parametrized weight; convert it before"):
         bb.nn.convert_local_batchnorm(model)
-    assert type(model[1]) is not bb.nn.LocalBatchNorm2d  # left as it was
+    # left as it was: the BatchNorm before the refused one too (it was converted)
+    assert [type(layer) for layer in model] == [nn.BatchNorm2d, nn.Conv2d, type(model[2])]
+    hooked = nn.Sequential(nn.BatchNorm2d(3), torch.nn.utils.spectral_norm(nn.BatchNorm2d(3)))
+    with pytest.raises(ValueError, match="BatchNorm2d's weight is a Tensor, not a Parameter"):
+        bb.nn.convert_local_batchnorm(hooked)
+    assert type(hooked[0]) is nn.BatchNorm2d
 
 
 def test_zero_init_last_bn():

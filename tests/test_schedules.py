@@ -175,6 +175,7 @@ def test_bad_arguments():
         LargeBatchLR(optimizer(1.0), 10, 5, warmup_epochs=6)
     with pytest.raises(ValueError, match="warmup_epochs must be a number, got None"):
         LargeBatchLR(optimizer(1.0), 10, 5, warmup_epochs=None)  # was a bare TypeError
+    LargeBatchLR(optimizer(1.0), 10, 5, warmup="none", warmup_epochs=None)  # no warmup: unread
     for schedule in ([64], (64,), 64.0, "64"):  # were AttributeErrors ('list' has no 'sizes')
         with pytest.raises(ValueError, match="batch sizes must be an int or a dict"):
             LargeBatchLR(optimizer(1.0), 10, 5, batch_size_schedule=schedule)

@@ -42,7 +42,6 @@ ALGORITHMS = ("auto", "torus", "flat")
 CUDA_ENGINES = ("nccl", "gloo")
 
 
-
 # The other segment sizes that "auto" tries, each where it cuts a buffer into another number of
 # segments: on the CPU, 32 MiB (on one host fewer segments cost less local work and fewer
 # messages) and 2 MiB (more segments, for links that pipeline better); on GPUs, NCCL's kernels

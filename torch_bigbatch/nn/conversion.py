@@ -23,9 +23,34 @@ def convert_local_batchnorm(module, group_size=32):
     given as `module` itself is returned converted. A BatchNorm used in several places becomes
     one LocalBatchNorm used in all of them; a LocalBatchNorm already there takes `group_size`.
     A lazy BatchNorm not yet initialized is refused (run one forward first): left as it is, it
-    would become a plain BatchNorm at its first forward; so is one with a parametrization.
+    would become a plain BatchNorm at its first forward; so is one whose weight a
+    parametrization or a hook computes. Nothing is converted where one is refused.
     """
-    return _converted(module, _checked_group_size(group_size), {})
+    group_size = _checked_group_size(group_size)
+    for layer in module.modules():  # all refusals before the first change
+        _check_convertible(layer)
+    return _converted(module, group_size, {})
+
+
+def _check_convertible(module):
+    """Refuses, by name, a BatchNorm whose weight the copy could not take over."""
+    if not isinstance(module, _BatchNorm) or isinstance(module, LocalBatchNorm):
+        return
+    name = type(module).__name__
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        raise ValueError(f"convert_local_batchnorm: {name} has not seen an input yet; run one "
+                         "forward through the model before converting it")
+    if parametrize.is_parametrized(module):
+        # (its weight is computed: no Parameter to take over; a TypeError was all)
+        raise ValueError(f"convert_local_batchnorm: {name} has parametrized "
+                         f"{', '.join(module.parametrizations)}; convert it before registering "
+                         "the parametrization")
+    for attribute in ("weight", "bias"):
+        value = getattr(module, attribute)
+        if value is not None and not isinstance(value, nn.Parameter):  # spectral_norm's hook
+            raise ValueError(f"convert_local_batchnorm: {name}'s {attribute} is a "
+                             f"{type(value).__name__}, not a Parameter (a hook computes it); "
+                             "convert the model before adding the hook")
 
 
 def _converted(module, group_size, done):
@@ -35,15 +60,6 @@ def _converted(module, group_size, done):
     if isinstance(module, LocalBatchNorm):
         module.group_size = group_size
         result = module
-    elif isinstance(module, nn.modules.lazy.LazyModuleMixin) \
-            and isinstance(module, _BatchNorm) and module.has_uninitialized_params():
-        raise ValueError(f"convert_local_batchnorm: {type(module).__name__} has not seen an "
-                         "input yet; run one forward through the model before converting it")
-    elif isinstance(module, _BatchNorm) and parametrize.is_parametrized(module):
-        # (its weight is computed: the copy could take over no Parameter; a TypeError was all)
-        raise ValueError(f"convert_local_batchnorm: {type(module).__name__} has parametrized "
-                         f"{', '.join(module.parametrizations)}; convert it before registering "
-                         "the parametrization")
     else:
         local = next((target for source, target in _LOCAL_OF if isinstance(module, source)),
                      None)

@@ -53,7 +53,7 @@ class LargeBatchLR(LRScheduler):
                 not isinstance(batch_size_schedule, BatchSizeSchedule):
             # a dict or an int, as DistributedBatchSampler takes it (refused by name otherwise)
             batch_size_schedule = BatchSizeSchedule(batch_size_schedule)
-        if not isinstance(warmup_epochs, numbers.Real):
+        if warmup != "none" and not isinstance(warmup_epochs, numbers.Real):
             raise ValueError(f"warmup_epochs must be a number, got {warmup_epochs!r}")
         milestones = tuple(milestones)  # an iterator would be used up by the checks below
         if warmup == "constant" and warmup_epochs > 0 and warmup_start_factor == 0:

@@ -37,8 +37,8 @@ DEFAULT_SEGMENT_BYTES = 16 << 20
 
 
 def cpu_segment_bytes(group_size):
-    """The torus backend's default segment of CPU tensors in a group of `group_size` ranks: 2 MiB per rank, from
-    8 to 16 MiB. A larger group cuts a segment into more, smaller messages, and on one host the
+    """The torus backend's default segment of CPU tensors in a group of `group_size` ranks: 2 MiB
+    per rank, from 8 to 16 MiB. A larger group cuts a segment into more, smaller messages, and on one host the
     per-message work (the loopback's transmit path, event-loop wake-ups) is what the torus
     spends beyond Gloo. Measured, 8 against 16 MiB segments taking turns in one run (forced
     torus / Gloo at 16 and 64 MiB, 7 rounds, three runs on this 2-core machine): with 8 or 16
