@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import torch_bigbatch  # noqa: E402
-from common import positive_int, write_csv  # noqa: E402
+from common import positive_int, taking_turns, write_csv  # noqa: E402
 from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
                                         torus_algorithm_table)
 from torch_bigbatch.distributed.cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES  # noqa: E402
@@ -141,12 +141,11 @@ def worker(rank, world, shape, sizes, args, port, results):
         times, cpu = {}, {}
         for name, group in groups.items():
             warm_up(tensor, name, group)
-        for _ in range(args.rounds):  # the groups take turns, so drift hits all
-            for name, group in groups.items():
-                seconds, cpu_seconds_here = time_round(
-                    lambda: dist.all_reduce(tensor, group=group), group, iters, device)
-                times.setdefault(name, []).append(seconds)
-                cpu.setdefault(name, []).append(cpu_seconds_here)
+        for name, group in taking_turns(groups.items(), args.rounds):
+            seconds, cpu_seconds_here = time_round(
+                lambda: dist.all_reduce(tensor, group=group), group, iters, device)
+            times.setdefault(name, []).append(seconds)
+            cpu.setdefault(name, []).append(cpu_seconds_here)
         medians = {name: statistics.median(values) for name, values in times.items()}
         # Every rank's median CPU seconds per call, summed over the ranks.
         cpu_total = torch.tensor([statistics.median(cpu[name]) for name in groups],

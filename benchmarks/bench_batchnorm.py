@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 import torch_bigbatch as bb
-from common import DTYPES, argument_parser, device_name, median_ms, pick_devices, write_csv
+from common import (DTYPES, argument_parser, device_name, median_ms, pick_devices,
+                    taking_turns, write_csv)
 
 # (channels, height = width) of ResNet-50's BatchNorm layers, from the stem to the last stage.
 SHAPES = [(64, 112), (64, 56), (256, 56), (512, 28), (1024, 14), (2048, 7)]
@@ -86,11 +87,10 @@ def bench_shape(device, dtype, memory_format, batch, channels, size, min_run_tim
     for layer in layers.values():
         step(layer, x, dy)  # warm-up
     per_round = {name: [] for name in layers}
-    for _ in range(rounds):
-        for name, layer in layers.items():
-            per_round[name].append(median_ms("step(layer, x, dy)",
-                                             {"step": step, "layer": layer, "x": x, "dy": dy},
-                                             min_run_time / rounds))
+    for name, layer in taking_turns(layers.items(), rounds):
+        per_round[name].append(median_ms("step(layer, x, dy)",
+                                         {"step": step, "layer": layer, "x": x, "dy": dy},
+                                         min_run_time / rounds))
     return {name: statistics.median(times) for name, times in per_round.items()}
 
 

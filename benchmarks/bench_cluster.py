@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
 from bench_allreduce import (DEFAULT_SIZES, describe_choice, label, parse_size, time_round,
                              warm_up)
-from common import positive_int, write_csv
+from common import positive_int, taking_turns, write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, parse_rate, rate_argument
 from torch_bigbatch.distributed import TorusOptions, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
@@ -107,10 +107,9 @@ def worker(args):
         seconds = {name: [] for name in groups}
         for name, group in groups.items():
             warm_up(tensor, name, group)
-        for _ in range(args.rounds):  # the algorithms take turns, so drift hits all
-            for name, group in groups.items():
-                seconds[name].append(time_round(lambda: dist.all_reduce(tensor, group=group),
-                                                dist.group.WORLD, iters, tensor.device)[0])
+        for name, group in taking_turns(groups.items(), args.rounds):
+            seconds[name].append(time_round(lambda: dist.all_reduce(tensor, group=group),
+                                            dist.group.WORLD, iters, tensor.device)[0])
         for name, group in groups.items():
             sent = sent_per_call(lambda: dist.all_reduce(tensor, group=group), iters,
                                  args.interface)

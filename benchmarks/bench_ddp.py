@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import positive_int, write_csv
+from common import positive_int, taking_turns, write_csv
 from emulated_cluster import EmulatedCluster, format_outputs, rate_argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,13 +142,12 @@ def main():
             for processes in args.nprocs:
                 rates = {"gloo": [], "torus": []}
                 choices = []  # per torus round
-                for _ in range(args.rounds):  # the backends take turns, so drift hits both
-                    for backend in rates:
-                        images, decided = run(case, processes, backend, args.timeout,
-                                              args.nodes, None if rate == "none" else rate)
-                        rates[backend].append(images)
-                        if backend == "torus":
-                            choices.append(decided or "none decided")
+                for backend in taking_turns(rates, args.rounds):
+                    images, decided = run(case, processes, backend, args.timeout,
+                                          args.nodes, None if rate == "none" else rate)
+                    rates[backend].append(images)
+                    if backend == "torus":
+                        choices.append(decided or "none decided")
                 medians = {backend: statistics.median(values)
                            for backend, values in rates.items()}
                 ratio = medians["torus"] / medians["gloo"]

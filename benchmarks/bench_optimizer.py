@@ -36,7 +36,8 @@ import statistics
 import torch
 
 import torch_bigbatch
-from common import DTYPES, argument_parser, device_name, median_ms, pick_devices, write_csv
+from common import (DTYPES, argument_parser, device_name, median_ms, pick_devices,
+                    taking_turns, write_csv)
 
 HYPERPARAMETERS = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True}
 VARIANTS = {
@@ -131,9 +132,8 @@ def bench_device(shapes, device, dtype, min_run_time, rounds, bandwidth=True,
         step()  # warm-up: creates the momentum buffers
         steps[name] = ("step()", {"step": step})
     per_round = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, (stmt, globals_) in steps.items():
-            per_round[name].append(median_ms(stmt, globals_, min_run_time / rounds))
+    for name, (stmt, globals_) in taking_turns(steps.items(), rounds):
+        per_round[name].append(median_ms(stmt, globals_, min_run_time / rounds))
     timings = {name: statistics.median(times) for name, times in per_round.items()}
     del steps
 

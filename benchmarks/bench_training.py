@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_bigbatch
-from common import DTYPES, device_name, positive_int, write_csv
+from common import DTYPES, device_name, positive_int, taking_turns, write_csv
 
 HYPERPARAMETERS = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
 VARIANTS = {  # the model's BatchNorm group size (0: nn.BatchNorm2d), the optimizer
@@ -95,9 +95,8 @@ def bench_mode(mode, args):
         for _ in range(args.warmup):
             step(images, labels)
     rates = {name: [] for name in steps}
-    for _ in range(args.rounds):  # taking turns: a drift in the machine's speed hits both
-        for name, step in steps.items():
-            rates[name].append(images_per_second(step, images, labels, args.steps, args.device))
+    for name, step in taking_turns(steps.items(), args.rounds):
+        rates[name].append(images_per_second(step, images, labels, args.steps, args.device))
     medians = {name: statistics.median(values) for name, values in rates.items()}
     if args.profile:
         print_profile(mode, steps, images, labels, args)

@@ -1,4 +1,5 @@
-"""What the benchmarks share: options, timing, the device's name, device choice and CSV output."""
+"""What the benchmarks share: options, timing, turns, the device's name, device choice and CSV
+output."""
 
 import argparse
 import csv
@@ -39,6 +40,15 @@ def argument_parser(docstring, min_run_time, rounds, extra=()):
                         help="the variants take turns this many times")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
     return parser
+
+
+def taking_turns(items, rounds):
+    """The items `rounds` times over, in reverse order every other round: each runs first as
+    often as last, so what a place in the round gives or costs (a warm cache, a machine whose
+    speed drifts within a round) falls on all alike, and a drift between rounds too."""
+    items = list(items)
+    for index in range(rounds):
+        yield from (items if index % 2 == 0 else reversed(items))
 
 
 def median_ms(stmt, globals_, min_run_time):

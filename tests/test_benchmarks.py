@@ -1,5 +1,5 @@
 """The benchmarks' own arithmetic, where a slip would print a wrong ratio: bench_ddp's steady
-rate from the job's progress lines, and bench_optimizer's choice of baseline."""
+rate from the job's progress lines, bench_optimizer's choice of baseline, and the turns."""
 
 import os
 import sys
@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 import bench_ddp  # noqa: E402
+import common  # noqa: E402
 import bench_optimizer  # noqa: E402
 
 
@@ -56,3 +57,11 @@ def test_the_optimizer_baseline_is_the_first_torch_sgd_that_steps_right(monkeypa
                         bench_optimizer.VARIANTS["torch fused"])
     with pytest.raises(RuntimeError, match="no torch SGD steps right in torch.float32"):
         bench_optimizer.baseline(shapes, grads, "cpu", torch.float32)
+
+
+def test_the_variants_take_turns_first_and_last():
+    """Every other round runs the variants in reverse: the baseline, first in the dict, ran
+    first in every round (a place that can give or cost: a warm cache, a drift in a round)."""
+    turns = list(common.taking_turns({"torch": 1, "ours": 2}.items(), 3))
+    assert [name for name, _ in turns] == ["torch", "ours", "ours", "torch", "torch", "ours"]
+    assert list(common.taking_turns(["gloo", "torus"], 0)) == []
