@@ -37,15 +37,15 @@ DEFAULT_SEGMENT_BYTES = 16 << 20
 
 
 def cpu_segment_bytes(group_size):
-    """The torus backend's default segment of CPU tensors in a group of `group_size` ranks: 2 MiB
-    per rank, from 8 to 16 MiB. A larger group cuts a segment into more, smaller messages, and on one host the
-    per-message work (the loopback's transmit path, event-loop wake-ups) is what the torus
-    spends beyond Gloo. Measured, 8 against 16 MiB segments taking turns in one run (forced
-    torus / Gloo at 16 and 64 MiB, 7 rounds, three runs on this 2-core machine): with 8 or 16
-    ranks 16 MiB was ahead or level in every cell, in time and CPU time (4x4: 0.80-0.88x and
-    1.00-1.05x against 0.89-0.94x and 1.10-1.13x, CPU 1.10-1.21 against 1.02-1.08 at 16 MiB;
-    8x1: 0.99x against 1.10-1.14x); with 4 ranks neither led on one host (2x2), and 8 MiB led
-    across two emulated nodes of two (1.17 and 1.31x against 1.11 and 1.09x)."""
+    """The torus backend's default segment of CPU tensors in a group of `group_size` ranks: 2
+    MiB per rank, from 8 to 16 MiB. A larger group cuts a segment into more, smaller messages,
+    and on one host the per-message work (the loopback's transmit path, event-loop wake-ups) is
+    what the torus spends beyond Gloo. Measured, 8 against 16 MiB segments taking turns in one
+    run (forced torus / Gloo at 16 and 64 MiB, 7 rounds, three runs on this 2-core machine):
+    with 8 or 16 ranks 16 MiB was ahead or level in every cell, in time and CPU time (4x4:
+    0.80-0.88x and 1.00-1.05x against 0.89-0.94x and 1.10-1.13x, CPU 1.10-1.21 against 1.02-1.08
+    at 16 MiB; 8x1: 0.99x against 1.10-1.14x); with 4 ranks neither led on one host (2x2), and 8
+    MiB led across two emulated nodes of two (1.17 and 1.31x against 1.11 and 1.09x)."""
     return min(max(group_size * (2 << 20), 8 << 20), 16 << 20)
 
 
