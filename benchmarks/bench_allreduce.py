@@ -39,8 +39,7 @@ import torch_bigbatch  # noqa: E402
 from common import positive_int, taking_turns, write_csv  # noqa: E402
 from torch_bigbatch.distributed import (TorusOptions, parse_shape, torus_algorithm,  # noqa: E402
                                         torus_algorithm_table)
-from torch_bigbatch.distributed.cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES  # noqa: E402
-from torch_bigbatch.distributed.torus import cpu_segment_bytes  # noqa: E402
+from torch_bigbatch.distributed.cost_model.alpha_beta import default_segment_bytes  # noqa: E402
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -111,8 +110,7 @@ def describe_choice(nbytes, group, device):
     rows = [row for row in torus_algorithm_table(group) if row["device"] == device.type
             and row["min_bytes"] <= nbytes <= row["max_bytes"]]
     algorithm = torus_algorithm(nbytes, group, device.type)
-    default_segment = (cpu_segment_bytes(dist.get_world_size(group)) if device.type == "cpu"
-                       else DEFAULT_SEGMENT_BYTES)
+    default_segment = default_segment_bytes(device.type, dist.get_world_size(group))
     one_shot = rows[0]["one_shot"] if rows else (
         device.type == "cpu" and nbytes <= torch_bigbatch._C.torus_one_shot_max_bytes)
     if algorithm == "torus" and one_shot:

@@ -1493,7 +1493,7 @@ def decision_log(rank, world_size, port, folder):
 @pytest.mark.parametrize("world_size, segments", [(4, "8 MiB"), (8, "16 MiB")])
 def test_rank_zero_logs_each_decision(tmp_path, world_size, segments):
     """The log names each candidate, the torus with the group's default segments: 2 MiB per
-    rank, from 8 to 16 MiB (torch_bigbatch.distributed.torus.cpu_segment_bytes)."""
+    rank, from 8 to 16 MiB (cost_model.alpha_beta.cpu_segment_bytes)."""
     results = run_ranks(decision_log, world_size, str(tmp_path))
     text, chosen = results[0]
     lines = [line for line in text.splitlines() if line.startswith("torch_bigbatch torus")]

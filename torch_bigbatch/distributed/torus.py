@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .._checks import is_int
-from .cost_model.alpha_beta import DEFAULT_SEGMENT_BYTES, cpu_segment_bytes
+from .cost_model.alpha_beta import default_segment_bytes
 
 ENV_SHAPE = "TORCH_BIGBATCH_TORUS"
 ENV_ALGORITHM = "TORCH_BIGBATCH_TORUS_ALGORITHM"
@@ -261,8 +261,7 @@ def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple
 def _tuning(options, device, group_size):
     """What the C++ tuner takes for one device type: (mode, torus_max_bytes, segment_bytes,
     alternative_segment_bytes)."""
-    default = cpu_segment_bytes(group_size) if device == "cpu" else DEFAULT_SEGMENT_BYTES
-    segment = options.segment_bytes or default
+    segment = options.segment_bytes or default_segment_bytes(device, group_size)
     alternatives = [] if options.segment_bytes else list(ALTERNATIVE_SEGMENT_BYTES[device])
     if options.algorithm in ("torus", "flat"):
         return options.algorithm, 0, segment, []

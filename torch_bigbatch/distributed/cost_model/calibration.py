@@ -4,8 +4,8 @@ setting model and measurement side by side."""
 import csv
 
 from ... import _C
-from .alpha_beta import (DEFAULT_SEGMENT_BYTES, Hardware, cpu_segment_bytes, one_shot_time,
-                         pipelined_time, ring_time)
+from .alpha_beta import (Hardware, default_segment_bytes, one_shot_time, pipelined_time,
+                         ring_time)
 
 
 def oversubscription(ranks, cores):
@@ -69,11 +69,10 @@ def torus_model(hardware, row):
     the row's device and group size."""
     ranks, nbytes = int(row["ranks"]), int(row["bytes"])
     columns = int(row["shape"].split("x")[0])
-    cpu = row.get("device", "cpu") == "cpu"
-    if cpu and nbytes <= _C.torus_one_shot_max_bytes:
+    device = row.get("device", "cpu")
+    if device == "cpu" and nbytes <= _C.torus_one_shot_max_bytes:
         return one_shot_time(hardware, ranks, nbytes, columns)
-    segment_bytes = cpu_segment_bytes(ranks) if cpu else DEFAULT_SEGMENT_BYTES
-    return pipelined_time(hardware, ranks, nbytes, columns, segment_bytes)
+    return pipelined_time(hardware, ranks, nbytes, columns, default_segment_bytes(device, ranks))
 
 
 def calibrate(path, cores=None):
