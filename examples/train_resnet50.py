@@ -15,7 +15,8 @@ Checkpoints (model, optimizer, scheduler, position, metrics) are written atomica
 every --checkpoint-every steps and at each epoch's end; --resume continues from the last one,
 as does a restart by torchrun --max-restarts. Each epoch ends with an evaluation; the metrics
 go to OUTPUT/metrics.csv and OUTPUT/metrics.png. Bad arguments, data or checkpoints are refused
-with one message per node before any process group exists.
+with one message per node before any process group exists; a damaged ImageNet image, decoded
+only when the training reaches it, stops the run with an error naming the file.
 """
 
 import argparse
@@ -33,6 +34,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,8 @@ TORCHVISION_RESNET50 = "torchvision.resnet50"
 # What a checkpoint holds that resuming reads, and its type.
 CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "scheduler": dict, "epoch": int,
                      "step": int, "epoch_loss": torch.Tensor, "metrics": list, "settings": dict}
-LATER_SETTINGS = ("classes", "--train-crop-size", "--val-resize-size", "--val-crop-size")
+LATER_SETTINGS = ("classes", "--train-crop-size", "--val-resize-size", "--val-crop-size",
+                  "image files")
 # An epoch's training, saved before its evaluation (the checkpoint's "trained"): a run stopped
 # or failed in the evaluation resumes with it, not with the epoch's training again.
 TRAINED_FIELDS = ("train_loss", "lr", "images_per_second", "seconds")
@@ -147,9 +150,9 @@ def get_args_parser():
                         help="ImageNet: then center-cropped to this, pixels")
     parser.add_argument("--print-every", type=POSITIVE, default=20,
                         help="steps between progress lines")
-    # torch's generators take seeds below 2**64; the sampler adds the epoch.
-    parser.add_argument("--seed", default=0, type=checked(int, lambda n: 0 <= n < 2**63,
-                                                          "must be an integer in [0, 2**63)"))
+    # torch's CPU generator keeps a seed's low 32 bits: 2**32 would repeat seed 0's run.
+    parser.add_argument("--seed", default=0, type=checked(int, lambda n: 0 <= n < 2**32,
+                                                          "must be an integer in [0, 2**32)"))
     # As in torchvision's reference recipe: a resumed CUDA run then repeats a straight one.
     parser.add_argument("--use-deterministic-algorithms", action="store_true",
                         help="only deterministic kernels (cuDNN's, cuBLAS's), slower on CUDA")
@@ -267,13 +270,23 @@ def load_data(dataset, args):
     normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train = datasets.ImageFolder(os.path.join(args.data, "train"), transforms.Compose([
         transforms.RandomResizedCrop(args.train_crop_size), transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(), normalize]))
+        transforms.ToTensor(), normalize]), loader=load_image)
     test = datasets.ImageFolder(os.path.join(args.data, "val"), transforms.Compose([
         transforms.Resize(args.val_resize_size), transforms.CenterCrop(args.val_crop_size),
-        transforms.ToTensor(), normalize]))
+        transforms.ToTensor(), normalize]), loader=load_image)
     score_with_training_classes(test, train, args.data)
     # Each image's random crop and flip from (seed, epoch, index): a resume repeats them.
     return bb.data.SeededSamples(train, args.seed), test, len(train.classes), 3
+
+
+def load_image(path):
+    """torchvision's loader (RGB), whose error for a truncated file names no file. At module
+    level: the loader workers unpickle the dataset that holds it."""
+    from torchvision.datasets.folder import default_loader
+    try:
+        return default_loader(path)
+    except OSError as error:
+        raise OSError(f"cannot read the image {path}: {error}") from error
 
 
 def score_with_training_classes(test, train, data):
@@ -352,7 +365,8 @@ def read_checkpoint(path, settings, iterations):
     if wrong:
         raise ValueError(f"--resume: {path} is not a checkpoint of this job (no valid "
                          f"{', '.join(wrong)}): delete it, or give another --output")
-    # Settings recorded since 2026-11-27: a checkpoint from before lacks them, and resumes.
+    # Settings recorded since 2026-11-27 (image files since 2026-11-28): a checkpoint from
+    # before lacks them, and resumes.
     changed = [key for key in settings if state["settings"].get(key) != settings[key]
                and (key in state["settings"] or key not in LATER_SETTINGS)]
     if changed:
@@ -453,9 +467,10 @@ class Setup:
         check_data(self.dataset, args)
         try:
             self.train, self.test, self.classes, self.channels = load_data(self.dataset, args)
-        except (OSError, EOFError) as error:  # an empty ImageFolder, a damaged file
+        except (OSError, EOFError) as error:  # an empty ImageFolder, a damaged Fashion-MNIST
             raise ValueError(f"cannot read the {self.dataset} data: {error}") from error
         self.check_sizes()
+        self.image_files = image_files_digest(self.train, self.test)
         self.iterations = [self.schedule.batches(epoch, len(self.train))
                            for epoch in range(self.recipe.epochs)]
         self.checkpoint = os.path.join(args.output, CHECKPOINT)
@@ -465,8 +480,9 @@ class Setup:
             "--base-lr": self.recipe.base_lr, "--bn-group-size": self.recipe.bn_group_size,
             "--model": self.model_name, "--dataset": self.dataset,
             "training images": len(self.train), "classes": self.classes, "--seed": args.seed}
-        if self.dataset == "imagenet":  # the transforms' sizes (ignored for the others)
-            self.settings.update({"--train-crop-size": args.train_crop_size,
+        if self.dataset == "imagenet":  # its files, and the transforms' sizes (its alone)
+            self.settings.update({"image files": self.image_files,
+                                  "--train-crop-size": args.train_crop_size,
                                   "--val-resize-size": args.val_resize_size,
                                   "--val-crop-size": args.val_crop_size})
         # Before read_resumed moves a checkpoint; a folder not made yet holds none, and main()
@@ -648,20 +664,44 @@ def save_checkpoint(path, state):
         os.close(descriptor)
 
 
-def check_same_start(start, device):
-    """Every rank continues from the same (epoch, step): ranks that read different checkpoints
-    (an --output that not every node shares) would train different steps, then hang or
-    diverge. One MAX allreduce of (-place, place), a place being epoch * 2**32 + step, gives
-    the earliest and the latest."""
-    place = start[0] * 2**32 + start[1]
-    both = torch.tensor([-place, place], dtype=torch.int64, device=device)
+def check_same_start(start, data, device):
+    """Every rank continues from the same (epoch, step) on the same data. Ranks that read
+    different checkpoints (an --output that not every node shares) would train different
+    steps; ranks that read different files (a node's copy of the data missing some) would
+    shuffle other orders, score overlapping shares of the test set, or take other step counts
+    and hang. `data`: (training images, test images, image_files_digest). One MAX allreduce
+    of (-value, value) for each value gives the smallest and the largest."""
+    values = [start[0] * 2**32 + start[1], *data]  # a place: epoch * 2**32 + step
+    both = torch.tensor([[-value, value] for value in values], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    earliest, latest = (divmod(value, 2**32) for value in (-both[0].item(), both[1].item()))
-    if earliest != latest:
+    smallest, largest = (-both[:, 0]).tolist(), both[:, 1].tolist()
+    if smallest[0] != largest[0]:
+        earliest, latest = divmod(smallest[0], 2**32), divmod(largest[0], 2**32)
         raise RuntimeError(
             f"the ranks start at different points, from epoch {earliest[0] + 1} step "
             f"{earliest[1]} to epoch {latest[0] + 1} step {latest[1]}: each rank resumes from "
             "the checkpoint in its own --output; put --output on storage every node shares")
+    for name, low, high in zip(("training images", "test images"), smallest[1:], largest[1:]):
+        if low != high:
+            raise RuntimeError(f"the ranks read different data: from {low} to {high} {name}; "
+                               "every node must read the same files")
+    if smallest[3] != largest[3]:
+        raise RuntimeError("the ranks read different data: the same number of images, but "
+                           "other file names or classes; every node must read the same files")
+
+
+def image_files_digest(train, test):
+    """A CRC-32 of the ImageFolders' file names (relative to their folder) and labels, in
+    order; 0 for in-memory data, which every rank reads from the same arrays."""
+    folders = [getattr(dataset, "dataset", dataset) for dataset in (train, test)]
+    if not all(hasattr(folder, "samples") for folder in folders):
+        return 0
+    digest = 0
+    for folder in folders:
+        for path, label in folder.samples:
+            line = f"{os.path.relpath(path, folder.root)}\t{label}\n"
+            digest = zlib.crc32(line.encode(errors="surrogateescape"), digest)
+    return digest
 
 
 def write_metrics(output, rows):
@@ -749,7 +789,8 @@ def main(args):
                             timeout=datetime.timedelta(seconds=args.timeout))
     # A finished run ends only after the ranks compared where they start: a rank that ended
     # before the rendezvous left the others waiting in it for the whole timeout.
-    check_same_start((span.start_epoch, span.start_step), device)
+    check_same_start((span.start_epoch, span.start_step),
+                     (len(setup.train), len(setup.test), setup.image_files), device)
     if span.finished:
         if setup.rank == 0:  # its metrics again: a stop after the last checkpoint lost them
             write_metrics(args.output, setup.resumed["metrics"])

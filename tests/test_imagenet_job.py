@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from conftest import CUDA, needs_cuda
-from train_job import run_single, torchrun
+from train_job import import_script, run_single, torchrun
 
 import torch_bigbatch as bb
 
@@ -66,6 +66,25 @@ def assert_same_end(straight, split):
     for row, same in zip(a["metrics"], b["metrics"], strict=True):
         assert row["test_loss"] == same["test_loss"]
         assert row["test_accuracy"] == same["test_accuracy"]
+
+
+def test_a_damaged_image_is_named_and_a_gray_one_read_as_rgb(image_folder, tmp_path):
+    """The job's loader: PIL's error for a truncated JPEG names no file (a run stopped at step
+    N of epoch E said only "image file is truncated"); a gray or CMYK file reads as RGB, as
+    torchvision's loader reads it (the folder above holds RGB files only)."""
+    from PIL import Image
+    train = import_script()
+    folder = os.path.join(image_folder, "train", "class0")
+    whole = open(os.path.join(folder, sorted(os.listdir(folder))[0]), "rb").read()
+    damaged = tmp_path / "damaged.jpeg"
+    damaged.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(OSError, match=f"cannot read the image {damaged}: image file is trunc"):
+        train.load_image(str(damaged))
+    for mode in ("L", "CMYK"):
+        path = tmp_path / f"{mode}.jpeg"
+        Image.new(mode, (8, 8)).save(path)
+        image = train.load_image(str(path))
+        assert image.mode == "RGB" and image.size == (8, 8), mode
 
 
 def test_the_jpeg_folder_is_what_imagefolder_expects(image_folder):

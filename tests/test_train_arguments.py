@@ -39,8 +39,8 @@ def parse(args):
     (["--workers", "-1"], "argument --workers: must be 0 or a positive integer, got -1"),
     (["--print-every", "0"], "argument --print-every: must be a positive integer, got 0"),
     (["--synthetic-size", "0"], "argument --synthetic-size: must be a positive integer, got 0"),
-    (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**63), got -1"),
-    (["--seed", str(2**63)], "argument --seed: must be an integer in [0, 2**63)"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**32), got -1"),
+    (["--seed", str(2**32)], "argument --seed: must be an integer in [0, 2**32)"),
     (["--timeout", "0"], "argument --timeout: must be a positive number of seconds, at most "
                          "1e9, got 0"),
     (["--timeout", "nan"], "argument --timeout: must be a positive number of seconds, at most "

@@ -37,11 +37,11 @@ def test_a_run_starts_where_its_checkpoint_stopped():
     assert not unevaluated.finished
 
 
-def start_at(rank, world_size, port, starts):
+def start_at(rank, world_size, port, starts, data=((100, 20, 7), (100, 20, 7))):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
-        train.check_same_start(starts[rank], torch.device("cpu"))
+        train.check_same_start(starts[rank], data[rank], torch.device("cpu"))
         return None
     except RuntimeError as error:
         return str(error)
@@ -84,6 +84,37 @@ def test_ranks_that_would_start_at_different_points_all_stop():
         assert message == ("the ranks start at different points, from epoch 1 step 7 to epoch "
                            "2 step 5: each rank resumes from the checkpoint in its own "
                            "--output; put --output on storage every node shares"), message
+
+
+@pytest.mark.slow
+def test_ranks_that_read_different_data_all_stop():
+    """Each rank reads its node's copy of the data: one missing a file shuffled another order
+    and scored overlapping test shares (a wrong result), or took other step counts (a hang);
+    one with other file names trained on other images under the same labels."""
+    same = [(1, 5), (1, 5)]
+    cases = {((100, 20, 7), (99, 20, 7)): "from 99 to 100 training images",
+             ((100, 20, 7), (100, 21, 7)): "from 20 to 21 test images",
+             ((100, 20, 7), (100, 20, 8)): "the same number of images, but other file names"}
+    for data, wanted in cases.items():
+        for message in run_ranks(start_at, 2, same, data, deadline=60):
+            assert message is not None and wanted in message, message
+            assert "the ranks read different data" in message, message
+
+
+def test_the_image_files_digest_follows_names_and_labels(tmp_path):
+    """0 for in-memory data; for folders, a digest of the names (not where the folder is)
+    and the labels, in order."""
+    def digest(root, samples):
+        train_folder = SimpleNamespace(root=str(tmp_path / root), samples=[
+            (str(tmp_path / root / name), label) for name, label in samples])
+        return train.image_files_digest(train_folder, SimpleNamespace(root="val", samples=[]))
+    images = [("a/1.jpg", 0), ("b/2.jpg", 1)]
+    assert digest("x", images) == digest("elsewhere", images)
+    for other in ([("a/1.jpg", 0), ("b/3.jpg", 1)], [("a/1.jpg", 1), ("b/2.jpg", 1)],
+                  images[::-1], images[:1]):
+        assert digest("x", other) != digest("x", images), other
+    in_memory = train.TensorBatches(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))
+    assert train.image_files_digest(in_memory, in_memory) == 0
 
 
 def test_a_checkpoint_is_saved_where_the_folder_cannot_be_synced(tmp_path, monkeypatch):

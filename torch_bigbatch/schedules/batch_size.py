@@ -75,8 +75,9 @@ class DistributedBatchSampler(Sampler):
         if not (is_int(dataset_size) and dataset_size >= 0):
             raise ValueError(f"dataset_size must be an int >= 0, got {dataset_size!r}")
         index = as_index(seed)  # numpy's integers too, as torch's DistributedSampler takes
-        if index is None or not 0 <= index < 2**63:  # seed + epoch must fit a torch seed
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        # torch's CPU generator keeps a seed's low 32 bits: 2**32 would repeat seed 0's orders.
+        if index is None or not 0 <= index < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         seed = index
         self.schedule = schedule if isinstance(schedule, BatchSizeSchedule) \
             else BatchSizeSchedule(schedule)
