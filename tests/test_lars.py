@@ -90,6 +90,23 @@ def test_lars_works_with_param_groups_of_a_model():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_lars_takes_sgds_keyword_arguments():
+    """Its docstring promises torch.optim.SGD's arguments: foreach and fused without effect
+    (one fused launch either way), differentiable=True refused by name (were a TypeError)."""
+    def stepped(**options):
+        weight = torch.arange(1.0, 5.0, requires_grad=True)
+        optimizer = bb.optim.LARS([weight], lr=0.5, momentum=0.9, weight_decay=0.1, **options)
+        for _ in range(2):
+            weight.grad = torch.tensor([0.5, -1.0, 2.0, 0.25])
+            optimizer.step()
+        return weight.detach()
+    plain = stepped()
+    for options in ({"foreach": True}, {"foreach": False}, {"fused": True}, {"fused": False}):
+        assert torch.equal(stepped(**options), plain), options
+    with pytest.raises(ValueError, match="differentiable=True"):
+        stepped(differentiable=True)
+
+
 def test_lars_refuses_a_trust_coefficient_of_zero():
     """0 would step the group as plain SGD (the kernel's mark of an excluded group), where the
     formula gives no step at all: refused, pointing at lars_exclude."""

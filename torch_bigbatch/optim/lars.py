@@ -16,11 +16,13 @@ class LARS(_FusedSGD):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, trust_coefficient=0.001, eps=1e-8, clip=False,
-                 maximize=False, momentum_form="torch", lr_correction=True):
+                 maximize=False, foreach=None, differentiable=False, fused=None,
+                 momentum_form="torch", lr_correction=True):
         super().__init__(params, {
             "lr": lr, "momentum": momentum, "dampening": dampening,
             "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
             "momentum_form": momentum_form, "lr_correction": lr_correction,
+            "foreach": foreach, "fused": fused, "differentiable": differentiable,
             "trust_coefficient": trust_coefficient, "eps": eps, "clip": clip,
             "lars_exclude": False,
         })
