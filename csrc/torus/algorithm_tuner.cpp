@@ -157,13 +157,13 @@ std::exception_ptr decision_failure(const Agreement& agreement, const std::excep
     // The likely cause where no peer failed: ranks that issue asynchronous collectives in
     // different orders (a p2p exchange around an async allreduce): this call waits for
     // peers that wait for it to return.
-    TORCH_CHECK(false, "torus allreduce: choosing the algorithm of ",
-                describe_class(agreement.device, agreement.size_class), " failed: ",
-                message_of(error),
-                " (the call that decides a class waits until every rank's trial calls of it "
-                "have ended: where ranks issue asynchronous collectives in different orders, "
-                "fix the algorithm, TorusOptions(algorithm=\"flat\" or \"torus\"), or pin "
-                "a table)");
+    TORCH_CHECK_WITH(DistBackendError, false, "torus allreduce: choosing the algorithm of ",
+                     describe_class(agreement.device, agreement.size_class), " failed: ",
+                     message_of(error),
+                     " (the call that decides a class waits until every rank's trial calls of "
+                     "it have ended: where ranks issue asynchronous collectives in different "
+                     "orders, fix the algorithm, TorusOptions(algorithm=\"flat\" or "
+                     "\"torus\"), or pin a table)");
   } catch (...) {
     failure.record(std::current_exception());
     return std::current_exception();

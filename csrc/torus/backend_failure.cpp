@@ -35,7 +35,8 @@ std::exception_ptr BackendFailure::first() const {
 
 void BackendFailure::check_usable() const {
   if (const std::exception_ptr error = first()) {
-    TORCH_CHECK(false, "torus backend is unusable after an earlier failure: ", message_of(error));
+    TORCH_CHECK_WITH(DistBackendError, false,
+                     "torus backend is unusable after an earlier failure: ", message_of(error));
   }
 }
 

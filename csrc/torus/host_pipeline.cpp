@@ -179,8 +179,9 @@ void advance(const ContextPtr& context, const SegmentPtr& segment, Phase phase,
              const std::exception_ptr& error, Stage next) {
   try {
     if (error) {
-      TORCH_CHECK(false, describe_failure(context->shape, phase, segment->index, segment->count,
-                                          message_of(error)));
+      TORCH_CHECK_WITH(DistBackendError, false,
+                       describe_failure(context->shape, phase, segment->index, segment->count,
+                                        message_of(error)));
     }
     if (auto failure = context->failure->first()) std::rethrow_exception(failure);
     const c10::InferenceMode writes_anything;  // (see TorusBackend::torus_allreduce)
@@ -304,8 +305,9 @@ c10::intrusive_ptr<c10d::Work> post(const HostPipeline::Context& context, const 
     std::lock_guard<std::mutex> lock(context.posting);
     return send ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag);
   } catch (...) {
-    TORCH_CHECK(false, describe_failure(context.shape, phase, segment.index, segment.count,
-                                        message_of(std::current_exception())));
+    TORCH_CHECK_WITH(DistBackendError, false,
+                     describe_failure(context.shape, phase, segment.index, segment.count,
+                                      message_of(std::current_exception())));
   }
 }
 
@@ -611,12 +613,12 @@ void finish(const ContextPtr& context, const SegmentPtr& segment) {
   if (--call.segments_left > 0) return;
   {
     std::lock_guard<std::mutex> lock(call.mutex);
-    TORCH_CHECK(call.mismatch == 0,
-                describe_mismatch(context->shape,
-                                  call.mismatch_detail.empty()
-                                      ? c10::str("rank ", call.mismatch - 1, " saw it first")
-                                      : call.mismatch_detail,
-                                  call.numel, call.kind));
+    TORCH_CHECK_WITH(DistBackendError, call.mismatch == 0,
+                     describe_mismatch(context->shape,
+                                       call.mismatch_detail.empty()
+                                           ? c10::str("rank ", call.mismatch - 1, " saw it first")
+                                           : call.mismatch_detail,
+                                       call.numel, call.kind));
   }
   call.buffer.copy_out();
   call.work->complete();

@@ -297,7 +297,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::whole_allreduce_on_host(
                                   failure = failure_](c10::ivalue::Future& done) mutable {
     const c10::InferenceMode writes_anything;  // (see torus_allreduce)
     try {
-      TORCH_CHECK(!done.hasError(), message, done.hasError() ? done.tryRetrieveErrorMessage() : "");
+      TORCH_CHECK_WITH(DistBackendError, !done.hasError(), message,
+                       done.hasError() ? done.tryRetrieveErrorMessage() : "");
       std::vector<at::Tensor> outputs = finished->result();
       for (size_t i = 0; i < reduced.size(); ++i) {
         finish_average(reduced[i], op, size);
@@ -526,8 +527,22 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::barrier(const c10d::BarrierOptions&
   // on the first)
   if (!device.is_cpu() && !device.has_index() && !opts.device_ids.empty())
     device = c10::Device(device.type(), static_cast<c10::DeviceIndex>(opts.device_ids.front()));
-  return delegate(device, "barrier", nullptr,
-                  [&](c10d::Backend& whole) { return whole.barrier(opts); });
+  c10::intrusive_ptr<c10d::Work> work = delegate(
+      device, "barrier", nullptr, [&](c10d::Backend& whole) { return whole.barrier(opts); });
+  if (!device.is_cpu() || !work) return work;  // (on a device: after follow_torus_calls)
+  // Gloo's barrier ends after every Work this rank issued before it; the torus's own run in its
+  // row and column groups, which the whole group's barrier does not see (an async allreduce
+  // was still summing after it). A TorusWork ends in the backend's delivery order: after them.
+  auto finished = c10::make_intrusive<TorusWork>(getRank(), c10d::OpType::BARRIER,
+                                                 std::vector<at::Tensor>{}, delivery_order_);
+  work->getFuture()->addCallback([finished](c10::ivalue::Future& done) {
+    if (done.hasError()) {
+      finished->fail(done.exception_ptr());
+    } else {
+      finished->complete();
+    }
+  });
+  return finished;
 }
 
 void TorusBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

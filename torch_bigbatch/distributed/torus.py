@@ -81,8 +81,8 @@ class TorusOptions:
         torus_algorithm_table() (a list of dicts, or the path of a JSON file of one, as
         save_torus_algorithm_table writes); rows without an algorithm are measured. A row with a
         shape pins groups of that shape only: a table given here for another shape is refused,
-        TORCH_BIGBATCH_TORUS_TABLE's rows of another shape are left out (every torus group,
-        subgroups too, reads it). None (default): the TORCH_BIGBATCH_TORUS_TABLE environment
+        TORCH_BIGBATCH_TORUS_TABLE's rows of another shape are left out (every torus group
+        that runs "auto" without torus_max_bytes, subgroups too, reads it). None (default): the TORCH_BIGBATCH_TORUS_TABLE environment
         variable (a path), else none.
     cuda_engine: what moves CUDA tensors: "nccl", or "gloo" (Gloo's CUDA collectives, which
         copy through host memory and block the caller until each phase has run: far slower,
@@ -90,10 +90,11 @@ class TorusOptions:
         refuses: how the torus's CUDA pipeline runs on a machine with one GPU). None
         (default): the TORCH_BIGBATCH_TORUS_CUDA_ENGINE environment variable, else "nccl".
     segment_bytes: large buffers are cut into segments of this size, and the phases of
-        consecutive segments overlap. None (default): cpu_segment_bytes(group size) for CPU
-        tensors (2 MiB per rank, from 8 to 16 MiB: measured on one host and across emulated
-        nodes), DEFAULT_SEGMENT_BYTES for CUDA tensors (16 MiB, the cost model's; not measured
-        on GPUs); "auto" also tries ALTERNATIVE_SEGMENT_BYTES.
+        consecutive segments overlap. None (default): cost_model.alpha_beta's
+        cpu_segment_bytes(group size) for CPU tensors (2 MiB per rank, from 8 to 16 MiB:
+        measured on one host and across emulated nodes), its DEFAULT_SEGMENT_BYTES for CUDA
+        tensors (16 MiB, the cost model's; not measured on GPUs); "auto" also tries
+        ALTERNATIVE_SEGMENT_BYTES, which a segment_bytes given here turns off.
     """
 
     shape: tuple[int, int] | str | None = None
@@ -609,9 +610,19 @@ def torus_algorithm_table(group=None) -> list[dict]:
 
 def save_torus_algorithm_table(path, group=None):
     """Writes torus_algorithm_table() to `path` as JSON, for TorusOptions(table=path) or
-    TORCH_BIGBATCH_TORUS_TABLE=path in a later run."""
-    with open(path, "w") as file:
-        json.dump(torus_algorithm_table(group), file, indent=1)
+    TORCH_BIGBATCH_TORUS_TABLE=path in a later run. Call it on one rank (on a shared folder,
+    ranks that all wrote it raced), then dist.barrier() before others read it. The file is
+    written whole: a temporary file beside it, renamed over it (a reader never sees half)."""
+    rows = torus_algorithm_table(group)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w") as file:
+            json.dump(rows, file, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
 
 
 def torus_allreduce_counts(group=None) -> dict[str, int]:
