@@ -1799,6 +1799,30 @@ def test_options_are_checked():
     assert TorusOptions().cuda_engine == "nccl"
 
 
+def test_a_refused_environment_variable_is_named(monkeypatch):
+    """A value from the environment is refused naming its variable (only torus_max_bytes'
+    conflict named one): the user did not write it in the code."""
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS_ALGORITHM", "Auto")
+    with pytest.raises(ValueError, match=r"got 'Auto' \(from TORCH_BIGBATCH_TORUS_ALGORITHM\)"):
+        TorusOptions()
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS_ALGORITHM", "torus")
+    with pytest.raises(ValueError, match=r"not to 'torus' \(from TORCH_BIGBATCH_TORUS_ALGOR"):
+        TorusOptions(table=[])
+    monkeypatch.delenv("TORCH_BIGBATCH_TORUS_ALGORITHM")
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS_CUDA_ENGINE", "mpi")
+    with pytest.raises(ValueError, match=r"'mpi' \(from TORCH_BIGBATCH_TORUS_CUDA_ENGINE\)"):
+        TorusOptions()
+    monkeypatch.delenv("TORCH_BIGBATCH_TORUS_CUDA_ENGINE")
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS", "3x2")
+    with pytest.raises(ValueError, match=r"\(6 ranks\) \(from TORCH_BIGBATCH_TORUS\) does not"):
+        resolve_shape(4)
+    monkeypatch.setenv("TORCH_BIGBATCH_TORUS", "2x")
+    with pytest.raises(ValueError, match=r"a torus shape is.*\(from TORCH_BIGBATCH_TORUS\)$"):
+        resolve_shape(4)
+    with pytest.raises(ValueError, match=r"does not match the group size 4$"):  # not from it
+        resolve_shape(4, shape="3x2")
+
+
 def options_set_after_construction(rank, world_size, port):
     init(rank, world_size, port)
     refusals = []

@@ -114,14 +114,16 @@ class TorusOptions:
         algorithm_given = self.algorithm is not None
         if self.algorithm is None:
             self.algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
+        algorithm_from = "" if algorithm_given else f" (from {ENV_ALGORITHM})"
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got "
-                             f"{self.algorithm!r}")
+                             f"{self.algorithm!r}{algorithm_from}")
+        engine_from = "" if self.cuda_engine is not None else f" (from {ENV_CUDA_ENGINE})"
         if self.cuda_engine is None:
             self.cuda_engine = os.environ.get(ENV_CUDA_ENGINE) or "nccl"
         if self.cuda_engine not in CUDA_ENGINES:
             raise ValueError(f"cuda_engine must be one of {', '.join(CUDA_ENGINES)}, got "
-                             f"{self.cuda_engine!r}")
+                             f"{self.cuda_engine!r}{engine_from}")
         if self.segment_bytes is not None and not (is_int(self.segment_bytes)
                                                    and 0 < self.segment_bytes < 2**63):
             raise ValueError(f"segment_bytes must be a positive int64, got "
@@ -131,9 +133,8 @@ class TorusOptions:
                 raise ValueError("torus_max_bytes must be an int64 >= 0 or None, got "
                                  f"{self.torus_max_bytes!r}")
             if self.algorithm != "auto":  # it would be ignored
-                where = "" if algorithm_given else f" (from {ENV_ALGORITHM})"
                 raise ValueError(f"torus_max_bytes applies to algorithm 'auto', not to "
-                                 f"{self.algorithm!r}{where}")
+                                 f"{self.algorithm!r}{algorithm_from}")
         if self.shape is not None:
             parse_shape(self.shape)  # a bad shape is named here, not when a group is built
         # The environment's table pins what "auto" would measure: a group with a fixed
@@ -147,7 +148,7 @@ class TorusOptions:
             self._pinned = _pinned_rows(table)
             if self.algorithm != "auto" or self.torus_max_bytes is not None:
                 raise ValueError("a pinned table applies to algorithm 'auto' without "
-                                 "torus_max_bytes")
+                                 f"torus_max_bytes, not to {self.algorithm!r}{algorithm_from}")
 
 
 def _pinned_rows(table):
@@ -243,14 +244,19 @@ def parse_shape(spec) -> tuple[int, int]:
 
 def resolve_shape(size: int, shape=None, world_size: int | None = None) -> tuple[int, int]:
     """The (X, Y) of a group of `size` ranks; see TorusOptions.shape for the rules."""
+    shape_from = ""
     if shape is None and size == (world_size or size):
         shape = os.environ.get(ENV_SHAPE) or None
+        shape_from = f" (from {ENV_SHAPE})"
     if shape is not None:
-        columns, rows = parse_shape(shape)
+        try:
+            columns, rows = parse_shape(shape)
+        except ValueError as error:
+            raise ValueError(f"{error}{shape_from}") from None
         if columns * rows != size:
             raise ValueError(
-                f"torus shape {columns}x{rows} ({columns * rows} ranks) does not match the "
-                f"group size {size}")
+                f"torus shape {columns}x{rows} ({columns * rows} ranks){shape_from} does not "
+                f"match the group size {size}")
         return columns, rows
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     if 1 < local <= size and size % local == 0:
