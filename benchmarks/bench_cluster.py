@@ -33,8 +33,10 @@ import torch.distributed as dist
 import torch_bigbatch  # noqa: F401  (registers the "torus" backend)
 from bench_allreduce import (DEFAULT_SIZES, describe_choice, label, parse_size, time_round,
                              warm_up)
-from common import positive_int, taking_turns, write_csv
-from emulated_cluster import EmulatedCluster, format_outputs, parse_rate, rate_argument
+from common import positive_int, positive_seconds, taking_turns, write_csv
+from emulated_cluster import (EmulatedCluster, check_every_node_succeeded, format_outputs,
+                              node_environment, parse_rate, rate_argument,
+                              refuse_a_rate_on_one_node)
 from torch_bigbatch.distributed import TorusOptions, torus_shape
 from torch_bigbatch.distributed.cost_model import Hardware, allreduce_time, fit_alpha_beta
 
@@ -138,12 +140,13 @@ def worker_args(args):
 def measure(nodes, nproc_per_node, rate, args):
     """The worker's result on `nodes` emulated nodes with links of `rate` (None: unlimited):
     {"shape", "hosts" (by rank), "rows"}."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = node_environment(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     with EmulatedCluster(nodes, rate=rate) as cluster:
         results = cluster.run(lambda node: cluster.torchrun(
             node, [os.path.abspath(__file__), *worker_args(args)], nproc_per_node),
             timeout=args.timeout, env=env)
+    check_every_node_succeeded(cluster, results, f"the allreduces on {nodes} nodes")
     outputs = [output for _, output in results]
     for output in outputs:
         for line in output.splitlines():
@@ -224,9 +227,9 @@ def get_args_parser():
                         "for large sizes: at most --round-bytes moved per round)")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--round-bytes", type=parse_size, default=parse_size("64M"))
-    parser.add_argument("--timeout", type=float, default=1800,
+    parser.add_argument("--timeout", type=positive_seconds, default=1800,
                         help="seconds for each rate's whole run")
-    parser.add_argument("--collective-timeout", type=float, default=300)
+    parser.add_argument("--collective-timeout", type=positive_seconds, default=300)
     parser.add_argument("--interface", default="eth0", help="(worker) the link to count")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
@@ -234,9 +237,13 @@ def get_args_parser():
 
 
 def main():
-    args = get_args_parser().parse_args()
+    parser = get_args_parser()
+    args = parser.parse_args()
     if args.worker:
         return worker(args)
+    refuse_a_rate_on_one_node(parser, args.nodes, args.rates)
+    if len(set(args.rates)) < len(args.rates):  # measured twice, one result kept
+        parser.error(f"--rates names a rate twice: {args.rates}")
     if os.geteuid() != 0:
         sys.exit("bench_cluster.py emulates nodes with network namespaces: run it as root")
     rates = [None if rate == "none" else rate for rate in args.rates]

@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 
-from common import positive_int, taking_turns, write_csv
-from emulated_cluster import EmulatedCluster, format_outputs, rate_argument
+from common import positive_int, positive_seconds, taking_turns, write_csv
+from emulated_cluster import (EmulatedCluster, check_every_node_succeeded, node_environment,
+                              rate_argument, refuse_a_rate_on_one_node)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Job arguments, steps, steps between progress lines, and the step from which the rate counts:
@@ -106,11 +107,9 @@ def run(case, processes, backend, timeout, nodes=1, rate=None):
             return steady_rate(stdout, CASES[case][3]), decisions(stdout + stderr)
         with EmulatedCluster(nodes, rate=rate) as cluster:
             results = cluster.run(lambda node: cluster.torchrun(node, job, processes // nodes),
-                                  timeout=timeout, env=env)
+                                  timeout=timeout, env=node_environment(OMP_NUM_THREADS="1"))
+        check_every_node_succeeded(cluster, results, f"{case} over {backend} on {nodes} nodes")
         outputs = [text for _, text in results]
-        if any(code != 0 for code, _ in results):
-            raise RuntimeError(f"{case} over {backend} on {nodes} nodes failed:\n"
-                               + format_outputs(cluster.nodes, outputs)[-5000:])
         # Rank 0 runs on node 0.
         return steady_rate(outputs[0], CASES[case][3]), decisions(outputs[0])
 
@@ -124,13 +123,12 @@ def main():
     parser.add_argument("--rates", nargs="+", type=rate_argument, default=["none"],
                         help='with --nodes: each node\'s link rate, e.g. "1gbit", or "none"')
     parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    parser.add_argument("--timeout", type=positive_seconds, default=1200, help="seconds per run")
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     args = parser.parse_args()
     if args.nodes > 1 and os.geteuid() != 0:
         parser.error("--nodes needs root (network namespaces)")
-    if args.nodes == 1 and args.rates != ["none"]:
-        parser.error("--rates are the links between emulated nodes: give --nodes 2 or more")
+    refuse_a_rate_on_one_node(parser, args.nodes, args.rates)
     for processes in args.nprocs:
         if processes % args.nodes:
             parser.error(f"{processes} processes do not spread evenly over {args.nodes} nodes")

@@ -25,6 +25,14 @@ def positive_int(text):
     return value
 
 
+def positive_seconds(text):
+    """An argparse type: a finite number of seconds above 0 (a timeout of inf bounds nothing)."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
+    return value
+
+
 def argument_parser(docstring, min_run_time, rounds, extra=()):
     """The options every device benchmark takes: --device, --dtype, --min-run-time, --rounds
     and --csv; `extra` adds (flags, options) pairs."""

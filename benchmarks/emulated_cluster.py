@@ -8,15 +8,17 @@ node's command runs in namespaces of its own besides: UTS (its hostname, node<i>
 /etc/hosts, a file of the cluster's bound over it: the names resolve on every node, as a
 cluster's DNS would; `loopback_hostname=True` adds Debian's "127.0.1.1 <hostname>" line first,
 the classic way a host's own name resolves to a loopback address) and PID (every process the
-command starts ends with it, and with the driver: nothing outlives a killed run).
+command starts ends with it, and with the driver: no process outlives a killed run; its
+namespaces and folder stay until the next run removes them, below).
 
 Ownership: a cluster claims its tag (<driver pid>-<8 random hex digits>) by making the folder
 /run/torch_bigbatch/<tag>, which holds its owner (pid and start time) and its hosts files. A
 run removes the namespaces of folders whose owner has died (a killed run's), and never touches
 a namespace of another name, nor one that is the host's.
 
-Needs root. Everything is removed on exit, on an exception, and on SIGINT, SIGTERM or SIGHUP
-(signals that arrive while it is being removed wait until it is gone).
+Needs root, iproute2 (ip, tc) and util-linux (unshare, mount). Everything is removed on exit,
+on an exception, and on SIGINT, SIGTERM or SIGHUP (signals that arrive while it is being removed
+wait until it is gone).
 
     # 2 nodes x 2 processes of the training job, over links of 1 Gbit/s:
     sudo python benchmarks/emulated_cluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit \\
@@ -28,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -44,17 +47,37 @@ RUN_DIR = "/run/torch_bigbatch"  # a folder per cluster: its owner and its hosts
 RDZV_PORT = 29400
 COMMAND_TIMEOUT = 10  # seconds for one ip/tc call
 FAILED_NODE_GRACE = 30  # seconds the other nodes get to end once one has failed
+OWNERLESS_SECONDS = 60  # a cluster folder without an owner this old was left by a killed run
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each tears the cluster down
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+# tc rounds a rate below 8 bit/s to 0 bytes/s (and refuses it); its 32-bit queue limit (50 ms
+# of traffic and the burst, in bytes) overflows above about 680 Gbit/s.
+RATE_RANGE = (8, 500e9)
+# What a node's torchrun must not inherit from the driver's environment: torchrun reads an
+# option it is not given from PET_<OPTION>; the others are a launcher's or name the host's
+# interfaces, which the nodes do not have.
+INHERITED_NOT = re.compile(r"PET_.*|TORCHELASTIC_.*|MASTER_(ADDR|PORT)|(LOCAL_|GROUP_|ROLE_)?"
+                           r"(RANK|WORLD_SIZE)|ROLE_NAME|.*_SOCKET_IFNAME")
 
 
 def parse_rate(text):
     """Bits per second of a tc rate such as "1gbit" or "100mbit"."""
     match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)(bit|kbit|mbit|gbit)", text.strip().lower())
-    if not match or float(match[1]) <= 0:
+    if not match:
         raise ValueError(f'a rate is a positive number and a unit of {list(RATE_UNITS)}, such as '
                          f'"1gbit"; got {text!r}')
-    return float(match[1]) * RATE_UNITS[match[2]]
+    bits = float(match[1]) * RATE_UNITS[match[2]]
+    if not RATE_RANGE[0] <= bits <= RATE_RANGE[1]:
+        raise ValueError(f"a rate is 8bit to 500gbit (what tc's tbf takes); got {text!r}")
+    return bits
+
+
+def node_environment(**variables):
+    """The driver's environment less what would misdirect a node's torchrun (INHERITED_NOT),
+    one thread per process unless OMP_NUM_THREADS is set, and `variables`."""
+    inherited = {name: value for name, value in os.environ.items()
+                 if not INHERITED_NOT.fullmatch(name)}
+    return {"OMP_NUM_THREADS": "1", **inherited, **variables}
 
 
 def rate_argument(text):
@@ -95,12 +118,22 @@ def this_owner():
 
 
 def owner_died(folder):
-    """Whether the run that made cluster folder `folder` has ended. A folder without a
-    readable owner (one being made, or not this module's) and an owner in another PID namespace
-    (whose pids say nothing here) count as alive: left alone."""
+    """Whether the run that made cluster folder `folder` has ended. A folder without an owner
+    counts as alive while it may be being made (a claim writes its owner within milliseconds),
+    dead after OWNERLESS_SECONDS (a run killed between the two: it stayed for ever); one
+    whose owner is unreadable (not this module's) or in another PID namespace (whose pids say
+    nothing here) counts as alive: left alone."""
     try:
         with open(os.path.join(folder, "owner")) as file:
             owner = json.load(file)
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(folder).st_mtime > OWNERLESS_SECONDS
+        except OSError:
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
         if owner["pid_namespace"] != os.stat("/proc/self/ns/pid").st_ino:
             return False
         return start_time(int(owner["pid"])) != owner["start"]
@@ -173,11 +206,18 @@ def remove_namespace(name):
     return True
 
 
+# Found once here: looked up in the forked child (preexec_fn) of a threaded driver, dlopen
+# could wait forever on a lock another thread held at the fork. (Linux's; None elsewhere.)
+PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+
+
 def die_with_parent():
     """For a node's command (preexec_fn): SIGKILL when the driver's thread that started it ends,
-    also by SIGKILL; the PID namespace then ends the rest of the node's processes."""
+    also by SIGKILL; the PID namespace then ends the rest of the node's processes. A failure
+    fails the start (Popen raises) rather than leave a node that could outlive the driver."""
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if PRCTL is None or PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def children_of(pid):
@@ -212,7 +252,7 @@ class EmulatedCluster:
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes must be 1 to 200 (one /24 of addresses), got {nodes}")
         self.rate_bits = parse_rate(rate) if rate else None
-        self.rate = rate
+        self.rate = rate.strip().lower() if rate else None  # as tc takes it
         self.loopback_hostname = loopback_hostname
         self.nodes_count = nodes
         self.folder = None  # /run/torch_bigbatch/<tag>, claimed in __enter__
@@ -270,10 +310,11 @@ class EmulatedCluster:
         for _ in range(10):
             tag = f"{os.getpid()}-{secrets.token_hex(4)}"
             try:
-                os.mkdir(os.path.join(RUN_DIR, tag))
+                with self._deferring_signals():  # made and recorded (close() removes it)
+                    os.mkdir(os.path.join(RUN_DIR, tag))
+                    self.folder = os.path.join(RUN_DIR, tag)
             except FileExistsError:
                 continue
-            self.folder = os.path.join(RUN_DIR, tag)
             break
         else:
             raise RuntimeError(f"no free cluster folder in {RUN_DIR} after 10 tries")
@@ -281,8 +322,10 @@ class EmulatedCluster:
             json.dump(this_owner(), file)
         os.rename(os.path.join(self.folder, "owner.new"), os.path.join(self.folder, "owner"))
         self.bridge = f"bbbr{tag}"
-        self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i}", f"{SUBNET}.{i + 1}", f"p{i}")
-                      for i in range(self.nodes_count)]
+        # torchrun ranks the nodes by their names' order: node10 came before node2.
+        digits = len(str(self.nodes_count - 1))
+        self.nodes = [Node(i, f"bbnode{tag}-{i}", f"node{i:0{digits}d}", f"{SUBNET}.{i + 1}",
+                           f"p{i}") for i in range(self.nodes_count)]
 
     def _add_namespace(self, name):
         # Recorded only once made (a name that exists already is not this cluster's), and
@@ -412,11 +455,16 @@ class EmulatedCluster:
                          for node, log in zip(self.nodes, logs)]
             deadline = time.monotonic() + timeout
             failed = False
-            while time.monotonic() < deadline and None in [p.poll() for p in processes]:
-                if not failed and any(p.returncode not in (None, 0) for p in processes):
-                    failed = True
-                    deadline = min(deadline, time.monotonic() + FAILED_NODE_GRACE)
-                time.sleep(0.1)
+            try:
+                while time.monotonic() < deadline and None in [p.poll() for p in processes]:
+                    if not failed and any(p.returncode not in (None, 0) for p in processes):
+                        failed = True
+                        deadline = min(deadline, time.monotonic() + FAILED_NODE_GRACE)
+                    time.sleep(0.1)
+            except BaseException:  # a signal: the logs go with the folder, their ends first
+                print(format_outputs(self.nodes, [read_text(log)[-2000:] for log in logs]),
+                      file=sys.stderr)
+                raise
             failed = failed or any(p.poll() not in (None, 0) for p in processes)
             late = [node.hostname for node, process in zip(self.nodes, processes)
                     if process.poll() is None]
@@ -456,23 +504,51 @@ def read_text(path):
         return file.read()
 
 
+def refuse_a_rate_on_one_node(parser, nodes, rates):
+    """One node's ranks talk over its loopback, where no rate applies: a measurement "at
+    1gbit" would run unlimited."""
+    if nodes == 1 and any(rate != "none" for rate in rates):
+        parser.error("a rate limits the links between nodes: it needs --nodes 2 or more")
+
+
+def exit_code(codes):
+    """The run's exit code from its nodes': the first node that failed by itself (its code)
+    before one the run ended (a signal's number; a killed bystander's 9 hid the cause)."""
+    failed_codes = [code for code in codes if code > 0]
+    signalled = [-code for code in codes if code < 0]
+    return (failed_codes or signalled or [0])[0]
+
+
+def check_every_node_succeeded(cluster, results, what):
+    """RuntimeError with each node's end (one node's long traceback could hide another's)
+    unless every node exited 0: a result printed before a failure is no result."""
+    if any(code != 0 for code, _ in results):
+        raise RuntimeError(f"{what} failed (exit codes {[code for code, _ in results]}):\n"
+                           + format_outputs(cluster.nodes, [text[-4000:] for _, text in results]))
+
+
 def format_outputs(nodes, outputs):
     return "\n".join(f"--- {node.hostname} ({node.address}) ---\n{output}"
                      for node, output in zip(nodes, outputs))
 
 
 def unsupported_reason():
-    """Why this machine cannot emulate a cluster (None when it can)."""
+    """Why this machine cannot emulate a cluster (None when it can): no root, no tools, or a
+    kernel that makes no network namespace. What fails after that is a fault of this module,
+    not of the machine: its callers fail rather than skip."""
     if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "emulating a cluster needs root (network namespaces)"
-    for tool in ("ip", "tc", "unshare"):
+    for tool in ("ip", "tc", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"emulating a cluster needs the {tool!r} command (iproute2, util-linux)"
+    probe = f"bbprobe{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with EmulatedCluster(1, rate="1gbit") as cluster:
-            cluster.run(lambda node: ["true"], timeout=30)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-        return f"this machine cannot make network namespaces, veth links and tbf: {error}"
+        sh("ip", "netns", "add", probe)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        return f"this machine cannot make network namespaces: {error}"
+    finally:  # (a failed add may have made it)
+        if probe in sh("ip", "netns", "list").split():
+            sh("ip", "netns", "del", probe)
     return None
 
 
@@ -492,19 +568,19 @@ def main():
     if os.geteuid() != 0:
         parser.error("emulating a cluster needs root (network namespaces)")
     if not 1 <= args.nodes <= 200 or args.nproc_per_node < 1 or args.max_restarts < 0 \
-            or not args.timeout > 0:
+            or not 0 < args.timeout < math.inf:
         parser.error("--nodes is 1 to 200, --nproc-per-node 1 or more, --max-restarts 0 or "
-                     "more, --timeout above 0")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                     "more, --timeout a finite number of seconds above 0")
+    refuse_a_rate_on_one_node(parser, args.nodes, [args.rate])
     print(f"{args.script} on {args.nodes} emulated nodes x {args.nproc_per_node} processes; "
           "each node's output follows when the job ends", flush=True)
     with EmulatedCluster(args.nodes, rate=None if args.rate == "none" else args.rate,
                          loopback_hostname=args.loopback_hostname) as cluster:
         results = cluster.run(lambda node: cluster.torchrun(
             node, [args.script, *args.script_args], args.nproc_per_node,
-            max_restarts=args.max_restarts), timeout=args.timeout, env=env)
+            max_restarts=args.max_restarts), timeout=args.timeout, env=node_environment())
     print(format_outputs(cluster.nodes, [output for _, output in results]))
-    sys.exit(max(abs(code) for code, _ in results))
+    sys.exit(exit_code([code for code, _ in results]))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The benchmarks' own arithmetic, where a slip would print a wrong ratio: bench_ddp's steady
-rate from the job's progress lines, bench_optimizer's choice of baseline, and the turns."""
+rate from the job's progress lines, bench_optimizer's choice of baseline, and the turns; and
+what the emulated cluster takes from the driver (its rates, its environment)."""
 
+import argparse
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_ddp  # noqa: E402
 import common  # noqa: E402
 import bench_optimizer  # noqa: E402
+import emulated_cluster  # noqa: E402
 
 
 def progress(epoch, step, batch, seconds):
@@ -65,3 +69,60 @@ def test_the_variants_take_turns_first_and_last():
     turns = list(common.taking_turns({"torch": 1, "ours": 2}.items(), 3))
     assert [name for name, _ in turns] == ["torch", "ours", "ours", "torch", "torch", "ours"]
     assert list(common.taking_turns(["gloo", "torus"], 0)) == []
+
+
+def test_a_rate_is_one_tc_takes():
+    """tc rounds a rate below 8 bit/s to 0 (and refuses it when the cluster is built), and its
+    32-bit queue limit overflows above about 680 Gbit/s: both refused when parsed."""
+    assert emulated_cluster.parse_rate(" 1Gbit ") == 1e9
+    assert emulated_cluster.parse_rate("8bit") == 8
+    for rate in ("4bit", "0kbit", "600gbit", "1 gbit", "1gbps", ""):
+        with pytest.raises(ValueError, match="rate"):
+            emulated_cluster.parse_rate(rate)
+
+
+def test_a_node_inherits_no_launcher_variables(monkeypatch):
+    """torchrun reads PET_<OPTION> for an option not given (PET_STANDALONE broke the
+    rendezvous); the others are a launcher's, or name the host's interfaces."""
+    dropped = ["PET_STANDALONE", "PET_NNODES", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+               "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"]
+    kept = ["TORCH_BIGBATCH_TORUS_ALGORITHM", "PYTHONPATH", "NCCL_DEBUG", "GLOO_DEVICE_TRANSPORT"]
+    for name in dropped + kept:
+        monkeypatch.setenv(name, "x")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = emulated_cluster.node_environment(PYTHONPATH="mine")
+    assert not set(dropped) & set(env)
+    assert [env[name] for name in kept] == ["x", "mine", "x", "x"]
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == os.environ["PATH"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert emulated_cluster.node_environment()["OMP_NUM_THREADS"] == "3"
+
+
+def test_the_run_exits_with_the_first_node_that_failed_by_itself():
+    """A node's own failure (its code) before one the run ended (a signal): the largest
+    absolute code was a killed bystander's 9."""
+    assert emulated_cluster.exit_code([0, 0]) == 0
+    assert emulated_cluster.exit_code([-9, 1, 2]) == 1
+    assert emulated_cluster.exit_code([0, -15, -9]) == 15
+
+
+def test_a_cluster_folder_without_an_owner_is_stale_after_a_minute(tmp_path):
+    """A run killed between making its folder and writing its owner left a folder no later run
+    removed; one being made right now is left alone."""
+    assert not emulated_cluster.owner_died(str(tmp_path))
+    old = time.time() - emulated_cluster.OWNERLESS_SECONDS - 5
+    os.utime(tmp_path, (old, old))
+    assert emulated_cluster.owner_died(str(tmp_path))
+    (tmp_path / "owner").write_text("not json")  # not this module's: left alone
+    os.utime(tmp_path, (old, old))
+    assert not emulated_cluster.owner_died(str(tmp_path))
+
+
+def test_a_rate_on_one_node_is_refused():
+    """One node's ranks talk over its loopback: "1gbit" would have measured unlimited links."""
+    parser = argparse.ArgumentParser()
+    emulated_cluster.refuse_a_rate_on_one_node(parser, 2, ["1gbit"])
+    emulated_cluster.refuse_a_rate_on_one_node(parser, 1, ["none"])
+    with pytest.raises(SystemExit):
+        emulated_cluster.refuse_a_rate_on_one_node(parser, 1, ["none", "1gbit"])
