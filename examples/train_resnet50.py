@@ -698,9 +698,10 @@ def image_files_digest(train, test):
         return 0
     digest = 0
     for folder in folders:
+        prefix = os.path.join(folder.root, "")  # cut, not os.path.relpath: 3x faster
         for path, label in folder.samples:
-            line = f"{os.path.relpath(path, folder.root)}\t{label}\n"
-            digest = zlib.crc32(line.encode(errors="surrogateescape"), digest)
+            name = path[len(prefix):] if path.startswith(prefix) else path
+            digest = zlib.crc32(f"{name}\t{label}\n".encode(errors="surrogateescape"), digest)
     return digest
 
 

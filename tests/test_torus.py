@@ -292,10 +292,10 @@ def barrier_after_async_allreduces(rank, world_size, port, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["torus", "flat"])
 def test_a_barrier_ends_after_the_ranks_earlier_allreduces(algorithm):
-    """As Gloo's barrier: it ends after every collective this rank issued before it. The torus
+    """A barrier ends after every collective this rank issued before it, as Gloo's. The torus
     runs its own in its row and column groups, which the whole group's barrier did not wait
-    for: `allreduce(async_op=True); barrier()` then read a half-summed tensor (a review's run:
-    4 rounds of 5 wrong on rank 1)."""
+    for: `allreduce(async_op=True); barrier()` then read a half-summed tensor (in a review's
+    run of 5 rounds, 4 on rank 1)."""
     assert run_ranks(barrier_after_async_allreduces, 2, algorithm,
                      deadline=120) == [[(True, True, True)] * 4] * 2
 
@@ -1584,8 +1584,10 @@ def test_a_bad_table_is_refused(tmp_path):
         TorusOptions(table=[{**one_shot, "max_bytes": 512 << 10}])
     with pytest.raises(ValueError, match="needs device, max_bytes and algorithm"):
         TorusOptions(table=[{"device": "cpu"}])
-    with pytest.raises(ValueError, match="applies to algorithm 'auto'"):
+    with pytest.raises(ValueError, match="applies to algorithm 'auto', not to 'torus'$"):
         TorusOptions(algorithm="torus", table=[])
+    with pytest.raises(ValueError, match="a pinned table and torus_max_bytes both fix"):
+        TorusOptions(table=[], torus_max_bytes=4096)
     row = {"device": "cpu", "max_bytes": 4096, "algorithm": "flat"}
     for bad in ({"max_bytes": 3000},  # was the class up to 4096: 3500 bytes pinned too
                 {"max_bytes": 1 << 20, "min_bytes": 0},  # pinned the top class only
@@ -1801,7 +1803,12 @@ def test_options_are_checked():
 
 def test_a_refused_environment_variable_is_named(monkeypatch):
     """A value from the environment is refused naming its variable (only torus_max_bytes'
-    conflict named one): the user did not write it in the code."""
+    conflict named one): the user did not write it in the code. A default is no variable's."""
+    monkeypatch.delenv("TORCH_BIGBATCH_TORUS_ALGORITHM", raising=False)
+    with pytest.raises(ValueError, match="not to 'torus'$"):
+        TorusOptions(algorithm="torus", table=[])
+    with pytest.raises(ValueError, match="both fix"):  # the conflict is torus_max_bytes'
+        TorusOptions(table=[], torus_max_bytes=10)
     monkeypatch.setenv("TORCH_BIGBATCH_TORUS_ALGORITHM", "Auto")
     with pytest.raises(ValueError, match=r"got 'Auto' \(from TORCH_BIGBATCH_TORUS_ALGORITHM\)"):
         TorusOptions()

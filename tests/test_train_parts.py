@@ -104,15 +104,21 @@ def test_ranks_that_read_different_data_all_stop():
 def test_the_image_files_digest_follows_names_and_labels(tmp_path):
     """0 for in-memory data; for folders, a digest of the names (not where the folder is)
     and the labels, in order."""
-    def digest(root, samples):
-        train_folder = SimpleNamespace(root=str(tmp_path / root), samples=[
+    def folder(root, samples):
+        return SimpleNamespace(root=str(tmp_path / root), samples=[
             (str(tmp_path / root / name), label) for name, label in samples])
-        return train.image_files_digest(train_folder, SimpleNamespace(root="val", samples=[]))
+
+    def digest(root, samples, val=(("a/9.jpg", 0),)):
+        return train.image_files_digest(folder(root, samples), folder(f"{root}-val", val))
     images = [("a/1.jpg", 0), ("b/2.jpg", 1)]
     assert digest("x", images) == digest("elsewhere", images)
     for other in ([("a/1.jpg", 0), ("b/3.jpg", 1)], [("a/1.jpg", 1), ("b/2.jpg", 1)],
                   images[::-1], images[:1]):
         assert digest("x", other) != digest("x", images), other
+    assert digest("x", images, val=[("a/8.jpg", 0)]) != digest("x", images)
+    wrapped = SimpleNamespace(dataset=folder("x", images))  # as SeededSamples wraps train/
+    assert train.image_files_digest(wrapped, folder("x-val", [("a/9.jpg", 0)])) == \
+        digest("x", images)
     in_memory = train.TensorBatches(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))
     assert train.image_files_digest(in_memory, in_memory) == 0
 

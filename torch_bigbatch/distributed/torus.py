@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 import time
 
 import torch
@@ -82,8 +83,8 @@ class TorusOptions:
         save_torus_algorithm_table writes); rows without an algorithm are measured. A row with a
         shape pins groups of that shape only: a table given here for another shape is refused,
         TORCH_BIGBATCH_TORUS_TABLE's rows of another shape are left out (every torus group
-        that runs "auto" without torus_max_bytes, subgroups too, reads it). None (default): the TORCH_BIGBATCH_TORUS_TABLE environment
-        variable (a path), else none.
+        that runs "auto" without torus_max_bytes, subgroups too, reads it). None (default):
+        the TORCH_BIGBATCH_TORUS_TABLE environment variable (a path), else none.
     cuda_engine: what moves CUDA tensors: "nccl", or "gloo" (Gloo's CUDA collectives, which
         copy through host memory and block the caller until each phase has run: far slower,
         and no CUDA graph can capture them, but several ranks may share one GPU, which NCCL
@@ -114,7 +115,8 @@ class TorusOptions:
         algorithm_given = self.algorithm is not None
         if self.algorithm is None:
             self.algorithm = os.environ.get(ENV_ALGORITHM) or "auto"
-        algorithm_from = "" if algorithm_given else f" (from {ENV_ALGORITHM})"
+        algorithm_from = "" if algorithm_given or not os.environ.get(ENV_ALGORITHM) \
+            else f" (from {ENV_ALGORITHM})"
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got "
                              f"{self.algorithm!r}{algorithm_from}")
@@ -146,9 +148,12 @@ class TorusOptions:
         self._pinned = None
         if table is not None:
             self._pinned = _pinned_rows(table)
-            if self.algorithm != "auto" or self.torus_max_bytes is not None:
-                raise ValueError("a pinned table applies to algorithm 'auto' without "
-                                 f"torus_max_bytes, not to {self.algorithm!r}{algorithm_from}")
+            if self.algorithm != "auto":
+                raise ValueError("a pinned table applies to algorithm 'auto', not to "
+                                 f"{self.algorithm!r}{algorithm_from}")
+            if self.torus_max_bytes is not None:
+                raise ValueError("a pinned table and torus_max_bytes both fix what 'auto' "
+                                 "would measure: give one of them")
 
 
 def _pinned_rows(table):
@@ -620,9 +625,10 @@ def save_torus_algorithm_table(path, group=None):
     ranks that all wrote it raced), then dist.barrier() before others read it. The file is
     written whole: a temporary file beside it, renamed over it (a reader never sees half)."""
     rows = torus_algorithm_table(group)
-    temporary = f"{path}.{os.getpid()}.tmp"
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                         suffix=".tmp")
     try:
-        with open(temporary, "w") as file:
+        with os.fdopen(handle, "w") as file:
             json.dump(rows, file, indent=1)
         os.replace(temporary, path)
     except BaseException:
