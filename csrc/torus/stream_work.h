@@ -91,6 +91,9 @@ class StreamWork : public TorusWork {
   // running fails, naming the phase it waits for).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override;  // the current stream waits for the result
+  // c10d::Work's default spins a kernel on the current stream until the future's host
+  // callback runs (an SM held, and the watcher's and the delivery's latency): an event does.
+  void blockCurrentStream() override { synchronize(); }
 
  private:
   const PhaseWork* first_phase(bool (*matches)(c10d::Work&)) const;
