@@ -78,7 +78,7 @@ def test_a_damaged_image_is_named_and_a_gray_one_read_as_rgb(image_folder, tmp_p
     whole = open(os.path.join(folder, sorted(os.listdir(folder))[0]), "rb").read()
     damaged = tmp_path / "damaged.jpeg"
     damaged.write_bytes(whole[:len(whole) // 2])
-    with pytest.raises(OSError, match=f"cannot read the image {damaged}: image file is trunc"):
+    with pytest.raises(OSError, match=f"cannot read the image {damaged}: .+"):  # and PIL's
         train.load_image(str(damaged))
     for mode in ("L", "CMYK"):
         path = tmp_path / f"{mode}.jpeg"
