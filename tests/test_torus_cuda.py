@@ -196,11 +196,6 @@ def calls_on_one_tensor(rank, world_size, port, shape, engine):
         assert torch.equal(sparse.to_dense(), torch.ones(world_size, device=device))
     except RuntimeError as error:  # an engine without sparse allreduce says so
         assert "storage" not in str(error), error
-    if nccl:  # a complex AVG is NCCL's too (refused as if it were an integer one)
-        waves = torch.full((8,), complex(rank, -2 * rank), device=device)
-        dist.all_reduce(waves, op=dist.ReduceOp.AVG)
-        mean = sum(range(world_size)) / world_size
-        assert torch.allclose(waves, torch.full_like(waves, complex(mean, -2 * mean)))
     after = torch.full((100,), float(rank), device=device)
     dist.all_reduce(after)
     assert torch.equal(after, torch.full_like(after, float(sum(range(world_size)))))

@@ -99,22 +99,9 @@ TorusBackend::TorusBackend(TorusShape shape, int size, std::optional<Engines> cp
                 shape_.columns, "x", shape_.rows);
   }
   host_ = std::make_shared<HostPipeline>(shape_, *cpu_, failure_, delivery_order_);
-  if (cuda_) {
+  if (cuda_)
     stream_ = std::make_shared<StreamPipeline>(shape_, *cuda_, timeout_, failure_, delivery_order_,
                                                writes_);
-    // After a failure no device collective runs here again (check_usable), and the phases of
-    // a failed call may spin on the device for ever (a peer gone, or ranks whose calls
-    // differ): nothing waits for them as NCCL's own wait() does, which aborts the
-    // communicator, and with TORCH_NCCL_BLOCKING_WAIT=1 NCCL has no watchdog that would.
-    // Abort the device engines, as the host's pending Works are aborted (work_waiter.cpp).
-    std::vector<c10::weak_intrusive_ptr<c10d::Backend>> device_groups;
-    for (const auto& group : {cuda_->whole, cuda_->row_scatter, cuda_->column, cuda_->row_gather})
-      if (group) device_groups.emplace_back(group);
-    failure_->on_failure([device_groups] {
-      for (const auto& weak : device_groups)
-        if (auto group = weak.lock()) group->abort();
-    });
-  }
 }
 
 const Engines& TorusBackend::engines_for(c10::DeviceType device, const char* collective) const {
@@ -190,10 +177,8 @@ c10::intrusive_ptr<c10d::Work> TorusBackend::torus_allreduce(std::vector<at::Ten
   const at::ScalarType dtype = first.scalar_type();
   // One division of the sum for every path and device: an integer mean would round twice in
   // the torus, and Gloo has no AVG; the caller chooses how to round.
-  // (A complex tensor on a device is the engine's to reduce: NCCL averages it as real.)
-  TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG || at::isFloatingType(dtype) ||
-                  (at::isComplexType(dtype) && !first.device().is_cpu()),
-              "torus ", collective, ": ReduceOp.AVG needs a floating-point tensor, got ", dtype,
+  TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG || at::isFloatingType(dtype), "torus ", collective,
+              ": ReduceOp.AVG needs a floating-point tensor, got ", dtype,
               " (reduce with ReduceOp.SUM and divide as your integers need)");
   if (is_bitwise(op)) {
     TORCH_CHECK(!at::isFloatingType(dtype) && !at::isComplexType(dtype), "torus ", collective,
@@ -598,10 +583,7 @@ void TorusBackend::shutdown() {
   }
   host.reset();  // unless a call in flight holds it: then when that call returns
   stream.reset();
-  // After a failure a shutdown of NCCL's waits for the failed call's kernels, which may never
-  // end: an abort (which the failure has made already on the device engines) does not wait.
-  const bool failed = failure_->first() != nullptr;
-  for_each_group([failed](c10d::Backend& group) { failed ? group.abort() : group.shutdown(); });
+  for_each_group([](c10d::Backend& group) { group.shutdown(); });
 }
 
 }  // namespace torch_bigbatch::torus
