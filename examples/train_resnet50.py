@@ -674,18 +674,19 @@ def check_same_start(start, data, device):
     values = [start[0] * 2**32 + start[1], *data]  # a place: epoch * 2**32 + step
     both = torch.tensor([[-value, value] for value in values], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    smallest, largest = (-both[:, 0]).tolist(), both[:, 1].tolist()
-    if smallest[0] != largest[0]:
-        earliest, latest = divmod(smallest[0], 2**32), divmod(largest[0], 2**32)
+    first, *fewest, low_digest = (-both[:, 0]).tolist()
+    last, *most, high_digest = both[:, 1].tolist()
+    if first != last:
+        earliest, latest = divmod(first, 2**32), divmod(last, 2**32)
         raise RuntimeError(
             f"the ranks start at different points, from epoch {earliest[0] + 1} step "
             f"{earliest[1]} to epoch {latest[0] + 1} step {latest[1]}: each rank resumes from "
             "the checkpoint in its own --output; put --output on storage every node shares")
-    for name, low, high in zip(("training images", "test images"), smallest[1:], largest[1:]):
+    for name, low, high in zip(("training images", "test images"), fewest, most):
         if low != high:
             raise RuntimeError(f"the ranks read different data: from {low} to {high} {name}; "
                                "every node must read the same files")
-    if smallest[3] != largest[3]:
+    if low_digest != high_digest:
         raise RuntimeError("the ranks read different data: the same number of images, but "
                            "other file names or classes; every node must read the same files")
 

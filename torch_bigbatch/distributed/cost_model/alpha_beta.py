@@ -49,10 +49,10 @@ def cpu_segment_bytes(group_size):
     return min(max(group_size * (2 << 20), 8 << 20), 16 << 20)
 
 
-
 def default_segment_bytes(device, group_size):
     """The torus backend's default segment for tensors of `device` ("cpu" or "cuda")."""
     return cpu_segment_bytes(group_size) if device == "cpu" else DEFAULT_SEGMENT_BYTES
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
